@@ -1,0 +1,190 @@
+"""Reference posteriors from Pyro's NUTS, run one chain at a time.
+
+Chains run sequentially in this process (one :class:`~pyro.infer.mcmc.MCMC` per chain with
+its own seed) rather than through Pyro's multiprocessing: on a small machine parallel
+chains only compete for the same cores, and sequential chains keep every run in a single
+process that tests and notebooks can control.
+"""
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import pyro
+import pyro.poutine as poutine
+import pyro.util
+import torch
+from pyro.infer.mcmc import MCMC, NUTS
+from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+from pyro.poutine.util import site_is_subsample
+
+__all__ = ["NUTSResult", "check_continuous_latents", "run_nuts"]
+
+
+@dataclasses.dataclass
+class NUTSResult:
+    """Output of :func:`run_nuts`.
+
+    :ivar dict samples: site name -> ``(num_chains * num_samples, ...)`` constrained draws,
+        chain after chain.
+    :ivar dict samples_by_chain: site name -> ``(num_chains, num_samples, ...)``.
+    :ivar dict diagnostics: site name -> ``{"r_hat": Tensor, "ess": Tensor}`` with the
+        site's event shape: split Gelman-Rubin R-hat and effective sample size over all
+        chains (:mod:`pyro.ops.stats`).
+    :ivar int num_divergences: post-warmup divergent transitions over all chains.
+    :ivar float wall_time: seconds for the whole call.
+    :ivar list divergences_by_chain: post-warmup divergences of each chain.
+    :ivar list acceptance_rate_by_chain: mean post-warmup acceptance rate of each chain.
+    :ivar list seeds: the seed each chain ran with.
+    """
+
+    samples: dict
+    samples_by_chain: dict
+    diagnostics: dict
+    num_divergences: int
+    wall_time: float
+    divergences_by_chain: list = dataclasses.field(default_factory=list)
+    acceptance_rate_by_chain: list = dataclasses.field(default_factory=list)
+    seeds: list = dataclasses.field(default_factory=list)
+
+    @property
+    def max_r_hat(self):
+        """Largest R-hat over all sites and coordinates (``nan`` if any is ``nan``)."""
+        values = [d["r_hat"].reshape(-1) for d in self.diagnostics.values()]
+        values = torch.cat(values) if values else torch.zeros(0)
+        return float(values.max()) if values.numel() else math.nan
+
+    @property
+    def min_ess(self):
+        """Smallest effective sample size over all sites and coordinates."""
+        values = [d["ess"].reshape(-1) for d in self.diagnostics.values()]
+        values = torch.cat(values) if values else torch.zeros(0)
+        return float(values.min()) if values.numel() else math.nan
+
+
+def check_continuous_latents(model, *args, **kwargs):
+    """Trace ``model`` once and raise if it has a discrete latent sample site.
+
+    A site counts as discrete if it is not observed and its distribution has enumerable
+    support or a discrete support constraint. Plate subsample sites are ignored. The
+    model is run with the current global RNG state.
+
+    :param callable model: a Pyro model.
+    :raises ValueError: naming the first discrete latent site.
+    """
+    trace = poutine.trace(model).get_trace(*args, **kwargs)
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            continue
+        fn = site["fn"]
+        try:
+            discrete_support = bool(fn.support.is_discrete)
+        except (AttributeError, NotImplementedError):
+            discrete_support = False
+        if getattr(fn, "has_enumerate_support", False) or discrete_support:
+            raise ValueError(
+                f"NUTS cannot sample discrete site '{name}' ({type(fn).__name__}); "
+                "marginalise it out of the model or observe it before using run_nuts"
+            )
+
+
+def _chain_seeds(seed, num_chains):
+    # Independent, well-mixed seeds per chain: seed + i would make chain 1 of seed 0
+    # identical to chain 0 of seed 1.
+    states = np.random.SeedSequence(seed).spawn(num_chains)
+    return [int(s.generate_state(1, dtype=np.uint32)[0]) for s in states]
+
+
+def run_nuts(
+    model,
+    *args,
+    num_samples=1000,
+    warmup_steps=500,
+    num_chains=2,
+    seed=0,
+    max_plate_nesting=None,
+    progress_bar=True,
+    nuts_kwargs=None,
+    **kwargs,
+):
+    """Sample a Pyro model's posterior with NUTS, chains run one after another.
+
+    Each chain is its own :class:`~pyro.infer.mcmc.MCMC` run (own warmup and step-size /
+    mass-matrix adaptation) seeded from ``seed``; the global RNG state (torch, numpy,
+    random) is saved and restored, so the call does not perturb the caller's streams.
+    ``jit_compile`` is off.
+
+    :param callable model: a Pyro model with continuous latent sites only.
+    :param args: positional arguments of ``model``.
+    :param int num_samples: post-warmup draws per chain (at least 4, for R-hat).
+    :param int warmup_steps: warmup (adaptation) steps per chain.
+    :param int num_chains: number of chains.
+    :param int seed: master seed; the per-chain seeds are derived from it.
+    :param int max_plate_nesting: passed to :class:`~pyro.infer.mcmc.NUTS`; giving it
+        skips Pyro's extra trace to guess it.
+    :param bool progress_bar: show Pyro's progress bar.
+    :param dict nuts_kwargs: further keyword arguments of :class:`~pyro.infer.mcmc.NUTS`
+        (e.g. ``target_accept_prob``, ``init_strategy``).
+    :param kwargs: keyword arguments of ``model`` (so ``model`` may not take keywords
+        named like the parameters above).
+    :return: samples in the constrained space, convergence diagnostics and timing.
+    :rtype: NUTSResult
+    :raises ValueError: if the model has a discrete latent site, or for invalid counts.
+    """
+    if num_chains < 1:
+        raise ValueError(f"num_chains must be at least 1, got {num_chains}")
+    if num_samples < 4:
+        raise ValueError(f"num_samples must be at least 4 (split R-hat), got {num_samples}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+    nuts_kwargs = dict(nuts_kwargs or {})
+    nuts_kwargs.setdefault("jit_compile", False)
+    if max_plate_nesting is not None:
+        nuts_kwargs["max_plate_nesting"] = max_plate_nesting
+    seeds = _chain_seeds(seed, num_chains)
+
+    start = time.perf_counter()
+    rng_state = pyro.util.get_rng_state()
+    try:
+        pyro.set_rng_seed(seeds[0])
+        check_continuous_latents(model, *args, **kwargs)
+        chains, divergences, acceptance = [], [], []
+        for chain_seed in seeds:
+            pyro.set_rng_seed(chain_seed)
+            mcmc = MCMC(
+                NUTS(model, **nuts_kwargs),
+                num_samples=num_samples,
+                warmup_steps=warmup_steps,
+                num_chains=1,
+                disable_progbar=not progress_bar,
+            )
+            mcmc.run(*args, **kwargs)
+            chains.append(mcmc.get_samples(group_by_chain=True))
+            chain_diag = mcmc.diagnostics()
+            divergences.append(len(chain_diag.get("divergences", {}).get("chain 0", [])))
+            acceptance.append(float(chain_diag.get("acceptance rate", {}).get("chain 0", math.nan)))
+    finally:
+        pyro.util.set_rng_state(rng_state)
+
+    samples_by_chain = {
+        name: torch.cat([c[name] for c in chains], dim=0).detach() for name in chains[0]
+    }
+    samples = {name: v.reshape((-1,) + v.shape[2:]) for name, v in samples_by_chain.items()}
+    diagnostics = {
+        name: {
+            "r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
+            "ess": effective_sample_size(v, chain_dim=0, sample_dim=1),
+        }
+        for name, v in samples_by_chain.items()
+    }
+    return NUTSResult(
+        samples=samples,
+        samples_by_chain=samples_by_chain,
+        diagnostics=diagnostics,
+        num_divergences=sum(divergences),
+        wall_time=time.perf_counter() - start,
+        divergences_by_chain=divergences,
+        acceptance_rate_by_chain=acceptance,
+        seeds=seeds,
+    )

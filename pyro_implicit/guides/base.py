@@ -1,0 +1,306 @@
+"""The implicit-guide base: a Pyro autoguide whose packed latent comes from a sampler.
+
+Every guide in this library draws the packed unconstrained latent ``u`` (all continuous
+latent sites of the model, each mapped through ``biject_to`` and flattened, size D) from a
+*sampler* instead of a density. :class:`ImplicitAutoGuide` reuses Pyro's
+:class:`~pyro.infer.autoguide.AutoContinuous` for everything else: the prototype trace,
+packing, plates, Jacobians of the constraint transforms, ``Predictive`` and
+``AutoGuideList`` compatibility. A subclass only says how noise becomes ``u``.
+
+Trace layout (what a loss sees):
+
+* ``_<name>_noise``: the sampler's standard-normal noise, a masked auxiliary site, so outer
+  plates (an ELBO's particle plate, ``Predictive``'s sample plate) broadcast it;
+* ``_<name>_latent``: ``u`` as an auxiliary :class:`ImplicitDelta`, flagged with
+  ``infer["pyro_implicit"]``; its ``log_prob`` raises, because q(u) has no density and a
+  density-based loss such as ``Trace_ELBO`` would silently drop the entropy and collapse
+  the posterior to a point;
+* one Jacobian-carrying ``Delta`` per model site, exactly as ``AutoContinuous`` emits.
+"""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions.util import sum_rightmost
+from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide.initialization import init_to_median
+from torch.distributions import biject_to
+
+__all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
+
+#: key of the ``infer`` dict entry that marks a site whose density a loss must estimate
+IMPLICIT_FLAG = "pyro_implicit"
+
+_LOSSES_HINT = (
+    "Train implicit guides with a loss from pyro_implicit.elbo that estimates the entropy: "
+    "KernelRatioELBO works with every guide"
+)
+
+
+class ImplicitDelta(dist.Delta):
+    """A point mass at a draw of an implicit distribution.
+
+    Used for the packed latent of an implicit guide. Sampling returns the stored value;
+    :meth:`log_prob` raises, because the density of the distribution the value came from is
+    unknown. This turns the silent failure of pairing an implicit guide with a
+    density-based loss (``Trace_ELBO`` would score it as 0 and the posterior would collapse)
+    into an error that names the right loss.
+    """
+
+    def __init__(self, v, event_dim=1, hint=_LOSSES_HINT, validate_args=None):
+        self.hint = hint
+        super().__init__(v, event_dim=event_dim, validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(ImplicitDelta, _instance)
+        new.hint = self.hint
+        return super().expand(batch_shape, _instance=new)
+
+    def log_prob(self, x):
+        raise NotImplementedError(
+            "This guide has no tractable density q(u) (it is an implicit sampler), so it "
+            "cannot be trained or scored with a loss that evaluates guide log-densities, "
+            f"such as Trace_ELBO. {self.hint}."
+        )
+
+
+def implicit_site_info(site):
+    """The ``infer["pyro_implicit"]`` record of a trace site, or ``None``."""
+    infer = site.get("infer") or {}
+    return infer.get(IMPLICIT_FLAG)
+
+
+class ImplicitAutoGuide(AutoContinuous):
+    """Base class for guides whose packed unconstrained latent ``u`` is drawn by a sampler.
+
+    Subclasses implement :meth:`_build_sampler` (called once the latent size D is known)
+    and :meth:`_latent_from_noise`, and set :attr:`noise_dim`. The base class provides:
+
+    * a valid Pyro guide over any model with continuous latent sites (constrained supports
+      through ``biject_to``, plates, ``subsample_size`` likelihood scaling);
+    * vectorised sampling (:meth:`sample_unconstrained`, :meth:`sample_posterior`): S draws
+      are one call of the sampler;
+    * sample-based :meth:`median` and :meth:`quantiles`;
+    * the refusal of models it cannot handle: discrete latents (via Pyro's helpful support
+      errors) and local latent sites inside a subsampled plate, which a packed guide cannot
+      size (it would silently reuse ``subsample_size`` slots for different data points).
+
+    :param callable model: a Pyro model.
+    :param callable init_loc_fn: per-site initialisation (Pyro's ``init_to_*``); the
+        sampler's output is centred there at the start of training.
+    :param float init_scale: initial spread of ``u`` around ``init_loc`` (per coordinate).
+    :param int num_quantile_samples: number of draws behind :meth:`median` and
+        :meth:`quantiles`.
+    """
+
+    #: what a loss may ask of this guide; see :mod:`pyro_implicit.elbo`.
+    capabilities = frozenset({"sample"})
+
+    def __init__(
+        self,
+        model,
+        *,
+        init_loc_fn=init_to_median,
+        init_scale=0.1,
+        num_quantile_samples=1000,
+    ):
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be positive, got {init_scale}")
+        self._init_scale = float(init_scale)
+        self.num_quantile_samples = int(num_quantile_samples)
+        super().__init__(model, init_loc_fn=init_loc_fn)
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_prototype(self, *args, **kwargs):
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        except NotImplementedError as e:
+            if "sequential" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"{e}: {type(self).__name__} needs vectorized plates; write "
+                "`with pyro.plate(name, size):` instead of `for i in pyro.plate(...)`."
+            ) from e
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            for frame in site["cond_indep_stack"]:
+                if not frame.vectorized:
+                    raise NotImplementedError(
+                        f"Site '{name}' is inside the sequential plate '{frame.name}'. "
+                        f"{type(self).__name__} needs vectorized plates: write "
+                        f"`with pyro.plate('{frame.name}', size):` instead of "
+                        f"`for i in pyro.plate(...)`."
+                    )
+                if frame.full_size is not None and frame.full_size != frame.size:
+                    raise NotImplementedError(
+                        f"Latent site '{name}' is a local latent inside the subsampled plate "
+                        f"'{frame.name}' (size {frame.full_size}, subsample_size "
+                        f"{frame.size}). {type(self).__name__} packs all latents into one "
+                        "vector and cannot size it. Subsample only the likelihood, or "
+                        "give local latents their own guide: AutoGuideList with "
+                        f"AutoNormal(poutine.block(model, expose=['{name}']))."
+                    )
+        self._max_plate_nesting = max(
+            [-f.dim for fs in self._cond_indep_stacks.values() for f in fs] + [0]
+        )
+        init_loc = self._init_loc()
+        self._build_sampler(init_loc)
+
+    def _build_sampler(self, init_loc):
+        """Create the sampler's parameters. ``init_loc`` is the packed ``(D,)`` initial
+        location given by ``init_loc_fn``."""
+        raise NotImplementedError
+
+    @property
+    def noise_dim(self):
+        """Size of the standard-normal noise vector the sampler consumes."""
+        raise NotImplementedError
+
+    def _latent_from_noise(self, noise):
+        """Map noise ``(..., noise_dim)`` to packed unconstrained latents ``(..., D)``."""
+        raise NotImplementedError
+
+    def _implicit_info(self):
+        """The record stored in ``infer["pyro_implicit"]`` of the latent site."""
+        return {"guide": self, "capabilities": self.capabilities}
+
+    # ------------------------------------------------------------------ pyro guide
+    def get_posterior(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} is an implicit distribution: it can be sampled "
+            "(sample_unconstrained, sample_posterior, Predictive) but has no density."
+        )
+
+    def _loc_scale(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} has no location-scale form; median() and quantiles() "
+            "are computed from samples."
+        )
+
+    def sample_latent(self, *args, **kwargs):
+        """Draw the packed latent ``u`` as an auxiliary site (see the module docstring)."""
+        param = next(iter(self.parameters()), None)
+        zero = torch.zeros(
+            (),
+            dtype=param.dtype if param is not None else None,
+            device=param.device if param is not None else None,
+        )
+        noise = pyro.sample(
+            f"_{self._pyro_name}_noise",
+            dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
+            infer={"is_auxiliary": True},
+        )
+        latent = self._latent_from_noise(noise)
+        return pyro.sample(
+            f"_{self._pyro_name}_latent",
+            ImplicitDelta(latent, event_dim=1),
+            infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
+        )
+
+    # ------------------------------------------------------------------ sampling
+    def _check_ready(self):
+        if self.prototype_trace is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is built lazily from the model's first call: call "
+                "guide(*args) (or run one SVI step) before sampling from it."
+            )
+
+    def sample_unconstrained(self, num_samples):
+        """Draw ``(num_samples, D)`` packed unconstrained latents in one vectorised call.
+
+        Keeps the autograd graph to the sampler's parameters.
+        """
+        self._check_ready()
+        param = next(iter(self.parameters()))
+        noise = torch.randn(num_samples, self.noise_dim, dtype=param.dtype, device=param.device)
+        return self._latent_from_noise(noise)
+
+    def unpack(self, latent):
+        """Split packed latents ``(S, D)`` into constrained site values.
+
+        :return: ``{name: tensor of shape (S,) + site shape}`` (no plate padding).
+        :rtype: dict
+        """
+        self._check_ready()
+        num = latent.shape[0]
+        padded = latent.reshape((num,) + (1,) * self._max_plate_nesting + latent.shape[-1:])
+        result = {}
+        for site, u in self._unpack_latent(padded):
+            value = biject_to(site["fn"].support)(u)
+            result[site["name"]] = value.reshape((num,) + site["value"].shape)
+        return result
+
+    def sample_posterior(self, num_samples):
+        """Draw ``num_samples`` joint posterior samples of every latent site.
+
+        :return: ``{name: tensor of shape (num_samples,) + site shape}``, detached.
+        :rtype: dict
+        """
+        with torch.no_grad():
+            return self.unpack(self.sample_unconstrained(num_samples))
+
+    def _quantile_draws(self):
+        # The same RNG state for every call, without advancing the user's stream, so that
+        # median() and quantiles() agree and never reseed the global generator.
+        param = next(iter(self.parameters()))
+        devices = [param.device] if param.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return self.sample_posterior(self.num_quantile_samples)
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs):
+        """Posterior quantiles of every latent site, from samples.
+
+        Quantiles are taken per coordinate in constrained space (exact for the elementwise
+        monotone transforms of real, positive and interval supports).
+
+        :param quantiles: quantile levels in [0, 1].
+        :return: ``{name: tensor of shape (len(quantiles),) + site shape}``.
+        :rtype: dict
+        """
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        draws = self._quantile_draws()
+        some = next(iter(draws.values()))
+        q = torch.as_tensor(quantiles, dtype=some.dtype, device=some.device)
+        if q.dim() != 1 or (q < 0).any() or (q > 1).any():
+            raise ValueError(f"quantiles must be a list of levels in [0, 1], got {quantiles}")
+        return {name: torch.quantile(value, q, dim=0) for name, value in draws.items()}
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs):
+        """Posterior median of every latent site, from samples (see :meth:`quantiles`).
+
+        :return: ``{name: tensor shaped like the site}``.
+        :rtype: dict
+        """
+        return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
+
+    # ------------------------------------------------------------------ helpers
+    def _output_scale_init(self, layer, hidden_fn, init_scale):
+        """Rescale a linear output layer so the initial spread of ``u`` is ``init_scale``.
+
+        ``hidden_fn`` maps noise to the layer's input. Measured on a fixed batch of noise so
+        the result does not depend on the network's width or depth.
+        """
+        with torch.no_grad():
+            w = layer.weight
+            noise = torch.randn(512, self.noise_dim, dtype=w.dtype, device=w.device)
+            spread = layer(hidden_fn(noise)).std(0).mean()
+            layer.weight.mul_(init_scale / spread.clamp(min=1e-12))
+
+
+def _jacobian_log_density(site, value, unconstrained):
+    """log |d u / d z| of the site's ``biject_to`` transform, summed over its event dims."""
+    transform = biject_to(site["fn"].support)
+    log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
+    return sum_rightmost(log_density, log_density.dim() - value.dim() + site["fn"].event_dim)
+
+
+def default_noise_dim(latent_dim):
+    """Noise size scaled to D: at least D up to 64 (so a full-rank q is reachable), then
+    growing slowly (KIVI's BNN generators use 20-100)."""
+    if latent_dim <= 64:
+        return max(latent_dim, 2)
+    return int(min(128, 64 + 8 * math.log2(latent_dim / 64)))

@@ -1,0 +1,164 @@
+"""Generator networks: maps from standard-normal noise to packed latents.
+
+Every generator is an ``nn.Module`` with attributes ``noise_dim`` and ``out_dim``, maps
+``(..., noise_dim)`` to ``(..., out_dim)`` for any leading batch shape, and implements
+:meth:`init_output` so a guide can centre its initial output at ``init_loc`` with a chosen
+spread (Pyro's ``init_loc_fn`` / ``init_scale`` meaning).
+
+* :class:`MLPGenerator`: a fully connected network (KIVI's UCI generators, Table 3).
+* :class:`MatrixGenerator`: KIVI's matrix-multiplication network (MMNN, Algorithm 2) whose
+  parameter count grows with ``M + N`` instead of ``M N`` for an ``M x N`` weight matrix.
+* :class:`BlockGenerator`: independent generators for blocks of the latent vector, so q
+  factorises across blocks (KIVI's layer-wise posterior, Sec. 3.1).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["BlockGenerator", "MLPGenerator", "MatrixGenerator", "MatrixMultiplication"]
+
+_ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "elu": nn.ELU, "softplus": nn.Softplus}
+
+
+def _activation(name):
+    try:
+        return _ACTIVATIONS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {name!r}; choose from {sorted(_ACTIVATIONS)}"
+        ) from None
+
+
+@torch.no_grad()
+def _rescale_to_spread(module, scale_param, bias_param, loc, scale, num_probe=512):
+    """Multiply the output weight so the mean per-coordinate standard deviation of the
+    output over a probe batch of noise is ``scale``, then shift the output bias so the
+    probe mean is ``loc`` (hidden ReLU features have a non-zero mean)."""
+    noise = torch.randn(
+        num_probe, module.noise_dim, dtype=scale_param.dtype, device=scale_param.device
+    )
+    spread = module(noise).std(0).mean()
+    if spread > 0:
+        scale_param.mul_(scale / spread)
+    offset = module(noise).mean(0).reshape(bias_param.shape) - bias_param
+    bias_param.copy_(loc.reshape(bias_param.shape) - offset)
+
+
+class MLPGenerator(nn.Module):
+    """Fully connected generator ``u = W_L a(... a(W_1 eps + b_1) ...) + b_L``.
+
+    :param int noise_dim: input noise size.
+    :param int out_dim: output size.
+    :param tuple hidden_dims: hidden layer widths (may be empty: an affine map, whose
+        pushforward of N(0, I) is the Gaussian N(b, W W^T)).
+    :param str activation: ``"relu"`` (KIVI), ``"tanh"``, ``"elu"`` or ``"softplus"``.
+    """
+
+    def __init__(self, noise_dim, out_dim, hidden_dims=(), activation="relu"):
+        super().__init__()
+        self.noise_dim = int(noise_dim)
+        self.out_dim = int(out_dim)
+        layers = []
+        width = self.noise_dim
+        for h in hidden_dims:
+            layers += [nn.Linear(width, h), _activation(activation)]
+            width = h
+        self.hidden = nn.Sequential(*layers)
+        self.output = nn.Linear(width, self.out_dim)
+
+    def forward(self, noise):
+        return self.output(self.hidden(noise))
+
+    def init_output(self, loc, scale):
+        """Centre the output at ``loc`` with per-coordinate spread ``scale``."""
+        _rescale_to_spread(self, self.output.weight, self.output.bias, loc, scale)
+
+
+class MatrixMultiplication(nn.Module):
+    """One matrix-multiplication layer of KIVI's MMNN (Algorithm 2, lines 2-3):
+    ``X <- A_l X + B_l`` then ``X <- X A_r + B_r``, mapping ``(M_in, N_in)`` matrices to
+    ``(M_out, N_out)``. Parameters: ``M_out M_in + M_out N_in + N_in N_out + M_out N_out``.
+    """
+
+    def __init__(self, in_shape, out_shape):
+        super().__init__()
+        (m_in, n_in), (m_out, n_out) = in_shape, out_shape
+        self.left = nn.Parameter(torch.randn(m_out, m_in) / math.sqrt(m_in))
+        self.left_bias = nn.Parameter(torch.zeros(m_out, n_in))
+        self.right = nn.Parameter(torch.randn(n_in, n_out) / math.sqrt(n_in))
+        self.right_bias = nn.Parameter(torch.zeros(m_out, n_out))
+
+    def forward(self, x):
+        x = self.left @ x + self.left_bias
+        return x @ self.right + self.right_bias
+
+
+class MatrixGenerator(nn.Module):
+    """KIVI's Matrix Multiplication Neural Network (MMNN, Algorithm 2) as a generator.
+
+    Noise of shape ``noise_shape`` (flattened on input) passes through matrix-multiplication
+    layers with ReLU between them; the last layer is linear and outputs an
+    ``out_shape`` matrix, flattened row-major.
+
+    :param tuple noise_shape: ``(M_0, N_0)`` (KIVI uses 30 x 30).
+    :param tuple out_shape: ``(M, N)``, the weight matrix shape.
+    :param list hidden_shapes: shapes of the hidden matrices (KIVI: two of ``N x N``).
+    """
+
+    def __init__(self, noise_shape, out_shape, hidden_shapes=()):
+        super().__init__()
+        self.noise_shape = tuple(int(s) for s in noise_shape)
+        self.out_shape = tuple(int(s) for s in out_shape)
+        if len(self.noise_shape) != 2 or len(self.out_shape) != 2:
+            raise ValueError("MatrixGenerator needs 2-D noise_shape and out_shape")
+        self.noise_dim = self.noise_shape[0] * self.noise_shape[1]
+        self.out_dim = self.out_shape[0] * self.out_shape[1]
+        shapes = [self.noise_shape, *[tuple(s) for s in hidden_shapes], self.out_shape]
+        self.layers = nn.ModuleList(
+            MatrixMultiplication(a, b) for a, b in zip(shapes[:-1], shapes[1:], strict=True)
+        )
+
+    def forward(self, noise):
+        x = noise.reshape(noise.shape[:-1] + self.noise_shape)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x.reshape(x.shape[:-2] + (self.out_dim,))
+
+    def init_output(self, loc, scale):
+        """Centre the output at ``loc`` with per-coordinate spread ``scale``."""
+        last = self.layers[-1]
+        with torch.no_grad():
+            last.left_bias.zero_()
+        _rescale_to_spread(self, last.right, last.right_bias, loc, scale)
+
+
+class BlockGenerator(nn.Module):
+    """Independent generators for consecutive blocks of the latent vector.
+
+    The noise vector is split into the blocks' noise and the outputs are concatenated, so
+    the pushforward factorises across blocks: q(u) = prod_b q_b(u_b).
+
+    :param list generators: generator modules, in latent order.
+    :param list names: a name per block (e.g. the model site), for :attr:`groups`.
+    """
+
+    def __init__(self, generators, names=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(generators)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(generators))]
+        self.noise_sizes = [g.noise_dim for g in self.blocks]
+        self.out_sizes = [g.out_dim for g in self.blocks]
+        self.noise_dim = sum(self.noise_sizes)
+        self.out_dim = sum(self.out_sizes)
+
+    def forward(self, noise):
+        parts = noise.split(self.noise_sizes, dim=-1)
+        return torch.cat([g(e) for g, e in zip(self.blocks, parts, strict=True)], dim=-1)
+
+    def init_output(self, loc, scale):
+        for g, part in zip(self.blocks, loc.split(self.out_sizes, dim=-1), strict=True):
+            g.init_output(part, scale)

@@ -1,0 +1,94 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyro_implicit.kernels import (
+    IMQKernel,
+    RBFKernel,
+    median_bandwidth,
+    squared_distances,
+    svgd_bandwidth_factor,
+)
+
+
+def brute_squared_distances(x, y):
+    return ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1)
+
+
+def test_squared_distances_match_brute_force_far_from_origin():
+    x = torch.randn(7, 5) + 1e3
+    y = torch.randn(4, 5) + 1e3
+    assert torch.allclose(squared_distances(x, y), brute_squared_distances(x, y), atol=1e-8)
+    assert torch.allclose(squared_distances(x), brute_squared_distances(x, x), atol=1e-8)
+
+
+def test_squared_distance_gradient_is_finite_on_the_diagonal():
+    x = torch.randn(6, 3, requires_grad=True)
+    d2 = squared_distances(x.detach(), x)
+    d2.diagonal().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert torch.allclose(x.grad, torch.zeros_like(x.grad), atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_median_bandwidth_matches_numpy_median(n):
+    x = torch.randn(n, 3)
+    d = brute_squared_distances(x, x).sqrt()
+    iu = np.triu_indices(n, 1)
+    expected = np.median(d.numpy()[iu])
+    assert median_bandwidth(x).item() == pytest.approx(expected, rel=1e-10)
+
+
+def test_median_bandwidth_pools_samples_and_has_no_gradient():
+    x = torch.randn(4, 2, requires_grad=True)
+    y = torch.randn(3, 2)
+    h = median_bandwidth(x, y)
+    assert not h.requires_grad
+    assert h.item() == pytest.approx(median_bandwidth(torch.cat([x.detach(), y])).item())
+
+
+def test_rbf_kernel_values():
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    k = RBFKernel(bandwidth=5.0)(x)
+    assert k[0, 1].item() == pytest.approx(math.exp(-25 / 50))
+    assert torch.allclose(k.diagonal(), torch.ones(2))
+
+
+@pytest.mark.parametrize("kernel", [RBFKernel(), IMQKernel(), IMQKernel(beta=-0.3)])
+def test_stein_repulsion_matches_autograd(kernel):
+    x = torch.randn(8, 4)
+    k, repulsion, h = kernel.stein_terms(x)
+    # sum_j d/dx_j k(x_j, x_i), by autograd on the first argument
+    xj = x.clone().requires_grad_(True)
+    gram = kernel.from_squared_distances(squared_distances(xj, x), h)
+    expected = torch.stack(
+        [torch.autograd.grad(gram[:, i].sum(), xj, retain_graph=True)[0].sum(0) for i in range(8)]
+    )
+    assert torch.allclose(repulsion, expected, atol=1e-10)
+    assert torch.allclose(k, gram.detach())
+
+
+def test_identical_particles_have_zero_repulsion():
+    x = torch.ones(5, 3)
+    _, repulsion, _ = RBFKernel().stein_terms(x)
+    assert torch.allclose(repulsion, torch.zeros_like(repulsion))
+
+
+def test_svgd_bandwidth_factor_gives_liu_wang_bandwidth():
+    x = torch.randn(20, 2)
+    med = median_bandwidth(x)
+    kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(20))
+    sigma = kernel.bandwidth(x)
+    # exp(-r^2 / (2 sigma^2)) == exp(-r^2 / h) with h = med^2 / log N
+    assert (2 * sigma**2).item() == pytest.approx((med**2 / math.log(20)).item())
+
+
+def test_bad_kernel_arguments():
+    with pytest.raises(ValueError, match="bandwidth"):
+        RBFKernel(bandwidth=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        IMQKernel(beta=0.5)
+    with pytest.raises(ValueError, match="dimension"):
+        squared_distances(torch.zeros(2, 3), torch.zeros(2, 4))

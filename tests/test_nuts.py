@@ -1,0 +1,127 @@
+import math
+import time
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_implicit.diagnostics.nuts import NUTSResult, check_continuous_latents, run_nuts
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def normal_normal(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", y.shape[0]):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_normal_normal_posterior():
+    y = torch.linspace(-0.5, 2.5, 10)
+    # Conjugate posterior: precision 1 + n, mean sum(y) / (1 + n).
+    post_mean = float(y.sum()) / 11.0
+    post_sd = 1.0 / math.sqrt(11.0)
+
+    start = time.perf_counter()
+    result = run_nuts(
+        normal_normal,
+        y,
+        num_samples=300,
+        warmup_steps=200,
+        num_chains=2,
+        seed=0,
+        max_plate_nesting=1,
+        progress_bar=False,
+    )
+    elapsed = time.perf_counter() - start
+    assert elapsed < 30.0, f"run_nuts took {elapsed:.1f}s"  # a few seconds when idle
+
+    assert isinstance(result, NUTSResult)
+    assert set(result.samples) == {"mu"}
+    assert result.samples["mu"].shape == (600,)
+    assert result.samples_by_chain["mu"].shape == (2, 300)
+    assert torch.equal(result.samples["mu"][300:], result.samples_by_chain["mu"][1])
+    diag = result.diagnostics["mu"]
+    assert diag["r_hat"].shape == () and diag["ess"].shape == ()
+    assert abs(float(diag["r_hat"]) - 1.0) < 0.05
+    ess = float(diag["ess"])
+    assert ess > 100
+
+    # Four Monte Carlo standard errors: sd / sqrt(ESS) for the mean and, for a Gaussian,
+    # 1 / sqrt(2 ESS) relative error for the sd.
+    mu = result.samples["mu"]
+    assert abs(float(mu.mean()) - post_mean) < 4 * post_sd / math.sqrt(ess)
+    assert abs(float(mu.std()) / post_sd - 1.0) < 4 / math.sqrt(2 * ess)
+    assert result.max_r_hat == float(diag["r_hat"]) and result.min_ess == float(diag["ess"])
+    assert result.num_divergences == sum(result.divergences_by_chain) == 0
+    assert len(result.seeds) == 2 and result.seeds[0] != result.seeds[1]
+    assert 0.0 < result.wall_time <= elapsed
+
+
+def test_run_nuts_is_reproducible_and_leaves_global_rng_alone():
+    y = torch.tensor([0.3, -0.1, 0.8])
+    kwargs = dict(num_samples=20, warmup_steps=20, num_chains=1, max_plate_nesting=1)
+    pyro.set_rng_seed(123)
+    state = torch.get_rng_state()
+    a = run_nuts(normal_normal, y, seed=5, progress_bar=False, **kwargs)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = run_nuts(normal_normal, y, seed=5, progress_bar=False, **kwargs)
+    assert torch.equal(a.samples["mu"], b.samples["mu"])
+
+
+def test_constrained_sites_and_model_kwargs():
+    def model(y, scale=1.0):
+        sigma = pyro.sample("sigma", dist.HalfNormal(scale))
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("data", y.shape[0]):
+            pyro.sample("obs", dist.Normal(theta.sum(), sigma), obs=y)
+
+    y = torch.tensor([0.5, 1.0, 1.5])
+    result = run_nuts(
+        model, y, scale=2.0, num_samples=30, warmup_steps=30, num_chains=2, progress_bar=False
+    )
+    assert result.samples["sigma"].shape == (60,)
+    assert result.samples_by_chain["theta"].shape == (2, 30, 2)
+    assert bool((result.samples["sigma"] > 0).all())  # returned in the constrained space
+    assert result.diagnostics["theta"]["r_hat"].shape == (2,)
+
+
+def test_discrete_latent_site_raises():
+    def mixture(y):
+        z = pyro.sample("z", dist.Bernoulli(0.5))
+        pyro.sample("obs", dist.Normal(2.0 * z, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="NUTS cannot sample discrete site 'z'"):
+        run_nuts(mixture, torch.tensor(1.0), num_samples=10, warmup_steps=10, progress_bar=False)
+
+    def poisson_latent(y):
+        with pyro.plate("data", y.shape[0]):
+            k = pyro.sample("k", dist.Poisson(3.0))
+            pyro.sample("obs", dist.Normal(k, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="discrete site 'k'"):
+        check_continuous_latents(poisson_latent, torch.ones(4))
+
+
+def test_observed_discrete_and_subsample_sites_are_allowed():
+    def model(y):
+        p = pyro.sample("p", dist.Beta(1.0, 1.0))
+        with pyro.plate("data", y.shape[0], subsample_size=2) as ind:
+            pyro.sample("obs", dist.Bernoulli(p), obs=y[ind])
+
+    check_continuous_latents(model, torch.tensor([1.0, 0.0, 1.0]))
+
+
+@pytest.mark.parametrize("bad", [dict(num_samples=3), dict(num_chains=0), dict(warmup_steps=-1)])
+def test_invalid_counts(bad):
+    with pytest.raises(ValueError):
+        run_nuts(normal_normal, torch.zeros(3), progress_bar=False, **bad)

@@ -1,0 +1,70 @@
+"""Smoke test of the UCI benchmark runner (benchmarks/uci.py), run in-process."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyro_implicit.datasets import data_dir
+
+torch.set_num_threads(1)
+
+RUNNER = Path(__file__).resolve().parent.parent / "benchmarks" / "uci.py"
+
+
+def _have_data():
+    try:
+        data_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def runner():
+    spec = importlib.util.spec_from_file_location("uci_runner", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_splits(runner):
+    assert runner.parse_splits("all") is None
+    assert runner.parse_splits("0-3,7") == [0, 1, 2, 3, 7]
+    with pytest.raises(Exception, match="invalid split selection"):
+        runner.parse_splits("3-1")
+
+
+def test_defaults_follow_kivi(runner):
+    assert runner.DEFAULTS["boston"]["epochs"] == 3000
+    assert runner.DEFAULTS["kin8nm"]["epochs"] == 500
+    assert runner.DEFAULTS["protein"]["hidden_dims"] == [100]
+    assert runner.DEFAULTS["wine"]["batch_size"] == 100
+    assert "map" in runner.METHODS
+
+
+@pytest.mark.skipif(not _have_data(), reason="data folder not available")
+def test_smoke_run_boston_map(runner, tmp_path, capsys):
+    out = tmp_path / "uci_map.json"
+    results = runner.main(
+        ["--datasets", "boston", "--method", "map", "--smoke", "--out", str(out), "--markdown"]
+    )
+    record = results["datasets"]["boston"]
+    assert len(record["splits"]) == 1
+    split = record["splits"][0]
+    assert split["split"] == 0 and split["n_test"] == 51
+    assert math.isfinite(split["rmse"]) and split["rmse"] > 0
+    assert math.isfinite(split["ll"])
+    assert record["config"]["epochs"] == 2
+
+    saved = json.loads(out.read_text())
+    assert saved["method"] == "map" and saved["smoke"] is True
+    assert "--smoke" in saved["command"]
+    assert saved["datasets"]["boston"]["splits"][0]["rmse"] == pytest.approx(split["rmse"])
+
+    printed = capsys.readouterr().out
+    assert "boston  split  0" in printed
+    assert "| boston | 455 | 1 |" in printed
