@@ -84,11 +84,12 @@ def median_from_squared_distances(d2, eps=1e-12):
     n = d2.shape[-1]
     if n < 2:
         return torch.ones((), dtype=d2.dtype, device=d2.device)
-    i, j = torch.triu_indices(n, n, offset=1, device=d2.device)
-    pairs = d2[i, j]
-    m = pairs.numel()
-    lower = pairs.kthvalue((m + 1) // 2).values
-    upper = pairs.kthvalue(m // 2 + 1).values if m % 2 == 0 else lower
+    # The sorted full matrix holds n zeros (the diagonal) then every pair twice, so the
+    # k-th smallest pair sits at rank n + 2k: no gather of the upper triangle.
+    flat = d2.reshape(-1)
+    m = n * (n - 1) // 2
+    lower = flat.kthvalue(n + 2 * ((m + 1) // 2)).values
+    upper = flat.kthvalue(n + 2 * (m // 2 + 1)).values if m % 2 == 0 else lower
     return (0.5 * (lower.sqrt() + upper.sqrt())).clamp(min=eps)
 
 

@@ -267,12 +267,15 @@ def _whiten(contrast, q):
 
 def _common_scale(sites):
     scales = {
-        float(s["scale"]) if not torch.is_tensor(s["scale"]) else s["scale"].item() for s in sites
+        float(s["scale"]) if not torch.is_tensor(s["scale"]) else s["scale"].item()
+        for s in sites
     }
     if len(scales) != 1:
         raise ValueError(
             "latent sites "
             + ", ".join(repr(s["name"]) for s in sites)
-            + f" share one KL estimate but have different poutine.scale factors {scales}"
+            + f" share one KL estimate but have different scale factors {sorted(scales)}: "
+            "KernelRatioELBO estimates one KL for global latents; local latents inside a "
+            "subsampled plate (scaled by size / subsample_size) are not supported"
         )
     return scales.pop()

@@ -23,7 +23,6 @@ import math
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median
 from torch.distributions import biject_to
@@ -137,14 +136,17 @@ class ImplicitAutoGuide(AutoContinuous):
                         f"Latent site '{name}' is a local latent inside the subsampled plate "
                         f"'{frame.name}' (size {frame.full_size}, subsample_size "
                         f"{frame.size}). {type(self).__name__} packs all latents into one "
-                        "vector and cannot size it. Subsample only the likelihood, or "
-                        "give local latents their own guide: AutoGuideList with "
-                        f"AutoNormal(poutine.block(model, expose=['{name}']))."
+                        "vector and cannot size it (it would silently reuse the "
+                        "subsample_size slots for different data points). Subsample only "
+                        "the likelihood: sample local latents outside the subsampled plate "
+                        "or give that plate no subsample_size."
                     )
         self._max_plate_nesting = max(
             [-f.dim for fs in self._cond_indep_stacks.values() for f in fs] + [0]
         )
         init_loc = self._init_loc()
+        # dtype and device of the sampler's noise; a buffer follows .to() and .cuda()
+        self.register_buffer("_noise_reference", init_loc.new_zeros(()), persistent=False)
         self._build_sampler(init_loc)
 
     def _build_sampler(self, init_loc):
@@ -180,12 +182,7 @@ class ImplicitAutoGuide(AutoContinuous):
 
     def sample_latent(self, *args, **kwargs):
         """Draw the packed latent ``u`` as an auxiliary site (see the module docstring)."""
-        param = next(iter(self.parameters()), None)
-        zero = torch.zeros(
-            (),
-            dtype=param.dtype if param is not None else None,
-            device=param.device if param is not None else None,
-        )
+        zero = self._noise_reference
         noise = pyro.sample(
             f"_{self._pyro_name}_noise",
             dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
@@ -212,8 +209,8 @@ class ImplicitAutoGuide(AutoContinuous):
         Keeps the autograd graph to the sampler's parameters.
         """
         self._check_ready()
-        param = next(iter(self.parameters()))
-        noise = torch.randn(num_samples, self.noise_dim, dtype=param.dtype, device=param.device)
+        ref = self._noise_reference
+        noise = torch.randn(num_samples, self.noise_dim, dtype=ref.dtype, device=ref.device)
         return self._latent_from_noise(noise)
 
     def unpack(self, latent):
@@ -243,8 +240,8 @@ class ImplicitAutoGuide(AutoContinuous):
     def _quantile_draws(self):
         # The same RNG state for every call, without advancing the user's stream, so that
         # median() and quantiles() agree and never reseed the global generator.
-        param = next(iter(self.parameters()))
-        devices = [param.device] if param.device.type == "cuda" else []
+        device = self._noise_reference.device
+        devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             return self.sample_posterior(self.num_quantile_samples)
 
@@ -276,26 +273,6 @@ class ImplicitAutoGuide(AutoContinuous):
         :rtype: dict
         """
         return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
-
-    # ------------------------------------------------------------------ helpers
-    def _output_scale_init(self, layer, hidden_fn, init_scale):
-        """Rescale a linear output layer so the initial spread of ``u`` is ``init_scale``.
-
-        ``hidden_fn`` maps noise to the layer's input. Measured on a fixed batch of noise so
-        the result does not depend on the network's width or depth.
-        """
-        with torch.no_grad():
-            w = layer.weight
-            noise = torch.randn(512, self.noise_dim, dtype=w.dtype, device=w.device)
-            spread = layer(hidden_fn(noise)).std(0).mean()
-            layer.weight.mul_(init_scale / spread.clamp(min=1e-12))
-
-
-def _jacobian_log_density(site, value, unconstrained):
-    """log |d u / d z| of the site's ``biject_to`` transform, summed over its event dims."""
-    transform = biject_to(site["fn"].support)
-    log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
-    return sum_rightmost(log_density, log_density.dim() - value.dim() + site["fn"].event_dim)
 
 
 def default_noise_dim(latent_dim):

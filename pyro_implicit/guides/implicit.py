@@ -146,10 +146,11 @@ class ImplicitGuide(ImplicitAutoGuide):
         if hasattr(gen, "init_output"):
             gen.init_output(init_loc, self._init_scale)
         self.generator = gen
+        self._noise_size = int(gen.noise_dim)
 
     @property
     def noise_dim(self):
-        return self.generator.noise_dim
+        return self._noise_size
 
     def _latent_from_noise(self, noise):
         return self.generator(noise)

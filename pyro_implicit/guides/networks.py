@@ -32,10 +32,14 @@ def _activation(name):
 
 
 @torch.no_grad()
-def _rescale_to_spread(module, scale_param, bias_param, loc, scale, num_probe=512):
+def _rescale_to_spread(module, scale_param, bias_param, loc, scale, num_probe=None):
     """Multiply the output weight so the mean per-coordinate standard deviation of the
     output over a probe batch of noise is ``scale``, then shift the output bias so the
     probe mean is ``loc`` (hidden ReLU features have a non-zero mean)."""
+    if num_probe is None:
+        # enough draws for a stable spread; fewer for BNN-sized outputs, where each draw
+        # is a whole weight matrix
+        num_probe = int(min(512, max(16, 4e6 // module.out_dim)))
     noise = torch.randn(
         num_probe, module.noise_dim, dtype=scale_param.dtype, device=scale_param.device
     )

@@ -1,0 +1,123 @@
+"""Merge UCI result files (from ``benchmarks/uci.py``) into one Markdown report, with the
+paper's numbers beside ours.
+
+Usage::
+
+    python benchmarks/uci_report.py benchmarks/results/uci_kivi_part*.json \
+        --title "KIVI (ImplicitGuide + KernelRatioELBO)" --paper kivi \
+        --out benchmarks/results/uci.md
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+#: published numbers: (RMSE mean, RMSE sd, test LL mean, test LL sd) per data set
+PAPERS = {
+    # Shi, Sun & Zhu (2018), Table 1, KIVI column; "±" is a standard deviation over runs
+    "kivi": {
+        "boston": (2.798, 0.173, -2.527, 0.102),
+        "concrete": (4.702, 0.116, -3.054, 0.043),
+        "energy": (0.467, 0.015, -1.298, 0.005),
+        "kin8nm": (0.075, 0.001, 1.162, 0.008),
+        "naval": (0.001, 0.000, 5.501, 0.121),
+        "power": (3.976, 0.037, -2.794, 0.009),
+        "protein": (4.255, 0.019, -2.868, 0.005),
+        "wine": (0.629, 0.008, -0.958, 0.015),
+        "yacht": (0.737, 0.068, -2.123, 0.010),
+    },
+}
+
+
+def _stats(values):
+    arr = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if arr.size == 0:
+        return None, None, None
+    sd = arr.std(ddof=1) if arr.size > 1 else float("nan")
+    return arr.mean(), sd / math.sqrt(arr.size) if arr.size > 1 else float("nan"), sd
+
+
+def _fmt(mean, spread, digits=3):
+    if mean is None:
+        return "n/a"
+    if spread is None or not math.isfinite(spread):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}"
+
+
+def report(paths, title, paper=None):
+    """Markdown text for the merged result files.
+
+    :param list paths: JSON files written by ``benchmarks/uci.py``.
+    :param str title: heading of the report.
+    :param str paper: key of :data:`PAPERS` to print beside our numbers, or ``None``.
+    """
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    lines = [f"# UCI regression: {title}", ""]
+    lines.append(
+        "Protocol: standard splits (Hernandez-Lobato & Adams 2015), features and target "
+        "normalised with the training split, test RMSE and per-point test log-likelihood "
+        "in the original units. Ours: mean ± standard error over the splits run (and the "
+        "standard deviation, which is what the paper's ± is)."
+    )
+    lines.append("")
+    head = "| Data set | Splits | RMSE (± se) | RMSE sd | Test LL (± se) | LL sd | s / split |"
+    sep = "|---|---:|---:|---:|---:|---:|---:|"
+    if paper:
+        head += " Paper RMSE (± sd) | Paper LL (± sd) |"
+        sep += "---:|---:|"
+    lines += [head, sep]
+    configs = []
+    for run in runs:
+        for name, record in run["datasets"].items():
+            splits = record["splits"]
+            if not splits:
+                continue
+            rmse, rmse_se, rmse_sd = _stats([s["rmse"] for s in splits])
+            ll, ll_se, ll_sd = _stats([s["ll"] for s in splits])
+            secs = np.mean([s["seconds"] for s in splits])
+            row = (
+                f"| {name} | {len(splits)} | {_fmt(rmse, rmse_se)} | {_fmt(rmse_sd, None)} | "
+                f"{_fmt(ll, ll_se)} | {_fmt(ll_sd, None)} | {secs:.0f} |"
+            )
+            if paper:
+                ref = PAPERS[paper].get(name)
+                if ref:
+                    row += f" {_fmt(ref[0], ref[1])} | {_fmt(ref[2], ref[3])} |"
+                else:
+                    row += " | |"
+            lines.append(row)
+            configs.append((name, record["config"], sorted(s["split"] for s in splits)))
+    lines += ["", "Configurations and splits run:", ""]
+    for name, config, splits in configs:
+        lines.append(f"- `{name}`: splits {splits}; `{json.dumps(config, sort_keys=True)}`")
+    lines += ["", "Runs:", ""]
+    for path, run in zip(paths, runs, strict=True):
+        lines.append(
+            f"- `{path}`: `{run['command']}` (started {run['started']}, resumed "
+            f"{len(run.get('resumed', []))} times, torch {run['versions']['torch']}, "
+            f"pyro {run['versions']['pyro']}, {run['threads']} thread(s), {run['dtype']})"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="JSON files written by benchmarks/uci.py")
+    parser.add_argument("--title", default="results")
+    parser.add_argument("--paper", choices=sorted(PAPERS), default=None)
+    parser.add_argument("--out", default=None, help="write the Markdown here (else print)")
+    args = parser.parse_args(argv)
+    text = report(args.paths, args.title, args.paper)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

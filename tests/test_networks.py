@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from pyro_implicit.guides import BlockGenerator, MatrixGenerator, MLPGenerator
+
+
+def test_affine_generator_pushes_standard_normal_to_gaussian():
+    gen = MLPGenerator(3, 4, hidden_dims=())
+    w, b = gen.output.weight.detach(), gen.output.bias.detach()
+    samples = gen(torch.randn(200000, 3)).detach()
+    assert torch.allclose(samples.mean(0), b, atol=0.02)
+    assert torch.allclose(torch.cov(samples.T), w @ w.T, atol=0.03)
+
+
+def test_init_output_sets_location_and_spread():
+    gen = MLPGenerator(5, 7, hidden_dims=(16, 16))
+    loc = torch.arange(7.0)
+    gen.init_output(loc, 0.3)
+    out = gen(torch.randn(20000, 5)).detach()
+    assert torch.allclose(out.mean(0), loc, atol=0.02)
+    assert out.std(0).mean().item() == pytest.approx(0.3, rel=0.05)
+
+
+def test_matrix_generator_parameter_count_and_shapes():
+    # KIVI Algorithm 2: an (M0 x N0) -> (M x N) layer has M M0 + M N0 + N0 N + M N params
+    gen = MatrixGenerator((30, 30), (79, 40), hidden_shapes=[(50, 50)])
+    expected = (50 * 30 + 50 * 30 + 30 * 50 + 50 * 50) + (79 * 50 + 79 * 50 + 50 * 40 + 79 * 40)
+    assert sum(p.numel() for p in gen.parameters()) == expected
+    assert gen(torch.randn(2, 3, 900)).shape == (2, 3, 79 * 40)
+    gen.init_output(torch.zeros(79 * 40), 0.1)
+    assert gen(torch.randn(256, 900)).std(0).mean().item() == pytest.approx(0.1, rel=0.1)
+
+
+def test_block_generator_factorises():
+    a, b = MLPGenerator(2, 3, ()), MLPGenerator(1, 2, ())
+    gen = BlockGenerator([a, b], names=["x", "y"])
+    noise = torch.randn(5, 3)
+    out = gen(noise)
+    assert torch.allclose(out[:, :3], a(noise[:, :2]))
+    assert torch.allclose(out[:, 3:], b(noise[:, 2:]))
+    with pytest.raises(ValueError, match="activation"):
+        MLPGenerator(2, 2, (3,), activation="swish")
