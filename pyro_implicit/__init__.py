@@ -6,8 +6,8 @@ The public API is re-exported here; each name lives in one module with its paper
 import logging
 
 from . import kernels
-from .elbo import KernelRatioELBO, VectorizationError
-from .guides import ImplicitAutoGuide, ImplicitGuide
+from .elbo import LIVI_ELBO, SIVI_ELBO, KernelRatioELBO, VectorizationError
+from .guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,10 @@ __all__ = [
     "ImplicitAutoGuide",
     "ImplicitGuide",
     "KernelRatioELBO",
+    "LIVI_ELBO",
+    "LinearizedGuide",
+    "SIVI_ELBO",
+    "SemiImplicitGuide",
     "VectorizationError",
     "kernels",
 ]

@@ -2,12 +2,20 @@
 
 from .base import ImplicitELBO, VectorizationError, check_vectorized_log_joint
 from .kernel_ratio import KernelRatioELBO, kernel_kl, kernel_log_ratio
+from .livi import LIVI_ELBO, jacobian, linearized_entropy, smallest_singular_value
+from .sivi import SIVI_ELBO, linear_schedule
 
 __all__ = [
     "ImplicitELBO",
     "KernelRatioELBO",
+    "LIVI_ELBO",
+    "SIVI_ELBO",
     "VectorizationError",
     "check_vectorized_log_joint",
+    "jacobian",
     "kernel_kl",
     "kernel_log_ratio",
+    "linear_schedule",
+    "linearized_entropy",
+    "smallest_singular_value",
 ]

@@ -2,13 +2,19 @@
 
 from .base import ImplicitAutoGuide, ImplicitDelta
 from .implicit import ImplicitGuide
+from .linearized import LinearizedGuide
 from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
+from .scalable import CorrelatedMatrixGenerator
+from .semi_implicit import SemiImplicitGuide
 
 __all__ = [
     "BlockGenerator",
+    "CorrelatedMatrixGenerator",
     "ImplicitAutoGuide",
     "ImplicitDelta",
     "ImplicitGuide",
+    "LinearizedGuide",
     "MLPGenerator",
     "MatrixGenerator",
+    "SemiImplicitGuide",
 ]

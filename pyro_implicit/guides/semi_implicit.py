@@ -1,0 +1,288 @@
+r"""``SemiImplicitGuide``: a semi-implicit Pyro guide, ``u ~ N(mu(psi), Sigma)``, ``psi = T(eps)``.
+
+Yin & Zhou (2018), *Semi-Implicit Variational Inference* (SIVI), Sec. 2. The packed
+unconstrained latent ``u`` of the model (see :mod:`pyro_implicit.guides.base`) is drawn
+hierarchically,
+
+.. math::
+    \psi = T_\phi(\epsilon),\ \epsilon \sim \mathcal N(0, I_g), \qquad
+    u \mid \psi \sim q_\xi(u \mid \psi) = \mathcal N(u;\ \psi,\ \Sigma_\xi),
+
+so the marginal :math:`h_\phi(u) = \mathbb E_{\psi} q_\xi(u \mid \psi)` has no closed form
+(the mixing layer :math:`T_\phi` is a neural network, an implicit distribution, eq. 2) but
+the conditional is an explicit, reparameterised Gaussian: :math:`u = \psi + \Sigma_\xi^{1/2}
+\eta`, :math:`\eta \sim \mathcal N(0, I_D)`. The mixing draw :math:`\psi` is the location of
+the conditional (the paper mixes only the location; the covariance :math:`\xi` is a plain
+learned parameter, Sec. 3.3 and 5.4).
+
+Trace layout (in addition to the base layout):
+
+* ``_<name>_noise`` holds :math:`(\epsilon, \eta)` concatenated, ``g + D`` values, a masked
+  auxiliary site (so outer plates broadcast it);
+* ``_<name>_mixing`` holds :math:`\psi` of the draw as an auxiliary
+  ``Delta(psi, event_dim=1)``; the latent site's ``infer["pyro_implicit"]["mixing_site"]``
+  names it, so :class:`~pyro_implicit.elbo.SIVI_ELBO` can evaluate
+  :math:`q(u_j \mid \psi_j)` for the generating :math:`\psi_j`. It is skipped when
+  ``poutine.get_mask() is False`` (``Predictive``), where no loss reads it.
+"""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.infer.autoguide.initialization import init_to_median
+from torch import nn
+
+from ..kernels import squared_distances
+from .base import IMPLICIT_FLAG, ImplicitAutoGuide, ImplicitDelta
+from .networks import MLPGenerator
+
+__all__ = ["SemiImplicitGuide"]
+
+_CONDITIONALS = ("diagonal", "full", "fixed")
+
+# The paper's mixing layers (Table in digest Sec. 5): 10-dim noise and [30, 60, 30] for the
+# low-dimensional targets of Sec. 5.1-5.2; 50-dim noise and [100, 200, 100] for Bayesian
+# logistic regression (Sec. 5.4, App. B.4).
+_SMALL_D, _SMALL_NOISE, _SMALL_HIDDEN = 10, 10, (30, 60, 30)
+_LARGE_NOISE, _LARGE_HIDDEN = 50, (100, 200, 100)
+
+_PAIRING_HINT = (
+    "Train a SemiImplicitGuide with SIVI_ELBO (the paper's surrogate bound) or with "
+    "KernelRatioELBO (which only samples it)"
+)
+
+
+class SemiImplicitGuide(ImplicitAutoGuide):
+    r"""Semi-implicit variational posterior over the model's packed unconstrained latent
+    (Yin & Zhou 2018, Sec. 2.1-2.2):
+
+    .. math::
+        \epsilon \sim \mathcal N(0, I_g),\quad \psi = T_\phi(\epsilon),\quad
+        u = \psi + \Sigma_\xi^{1/2}\,\eta,\quad \eta \sim \mathcal N(0, I_D),
+
+    with :math:`T_\phi` an MLP (the implicit *mixing layer*) and a Gaussian *conditional*
+    :math:`q_\xi(u \mid \psi) = \mathcal N(\psi, \Sigma_\xi)`. Every model site is
+    ``biject_to(support)`` of its slice of ``u``, as in Pyro's ``AutoContinuous``.
+
+    The marginal density is intractable, so train it with
+    :class:`~pyro_implicit.elbo.SIVI_ELBO` (the paper's asymptotically exact surrogate,
+    eq. 9), which uses :meth:`conditional_log_prob` and :meth:`sample_mixing`; or with
+    :class:`~pyro_implicit.elbo.KernelRatioELBO`, which only samples it. Plain
+    ``Trace_ELBO`` raises instead of silently dropping the entropy.
+
+    Usage::
+
+        guide = SemiImplicitGuide(model)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
+                  SIVI_ELBO(num_particles=50, num_mixing=100))
+
+    :param callable model: a Pyro model with continuous latent sites.
+    :param int mixing_noise_dim: :math:`g`, size of the mixing noise :math:`\epsilon`.
+        Default: 10 when D <= 10 (the paper's toy and negative-binomial experiments,
+        Sec. 5.1-5.2), otherwise 50 (Bayesian logistic regression, App. B.4).
+    :param tuple hidden_dims: hidden widths of :math:`T_\phi`. Default: (30, 60, 30) when
+        D <= 10 (Sec. 5.1), otherwise (100, 200, 100) (App. B.4).
+    :param str activation: activation of :math:`T_\phi` (the paper does not say; the
+        authors' code uses ReLU, the default).
+    :param str conditional: the conditional covariance :math:`\Sigma_\xi`:
+        ``"diagonal"`` (learned :math:`\mathrm{diag}(\sigma^2)`, default), ``"full"``
+        (learned :math:`LL^\top`, lower-triangular L with positive diagonal; the paper's
+        "SIVI-full" for BLR) or ``"fixed"`` (constant :math:`\sigma_0^2 I`, the paper's
+        toys, Sec. 5.1, where :math:`\sigma_0^2 = 0.1`).
+    :param float conditional_scale: initial :math:`\sigma` (the constant
+        :math:`\sigma_0` for ``"fixed"``). Default ``init_scale / sqrt(2)``.
+    :param callable init_loc_fn: per-site initial location (default ``init_to_median``):
+        the mixing layer's output is centred there.
+    :param float init_scale: initial spread of ``u``: the mixing layer's output starts
+        with spread ``init_scale / sqrt(2)`` per coordinate and, by default, so does the
+        conditional, so u starts with spread ``init_scale``.
+    :param int num_quantile_samples: draws behind :meth:`median` and :meth:`quantiles`.
+
+    References
+
+    [1] `Semi-Implicit Variational Inference`, Mingzhang Yin, Mingyuan Zhou, ICML 2018
+        (arXiv:1805.11183).
+    """
+
+    capabilities = frozenset({"sample", "conditional_density"})
+
+    def __init__(
+        self,
+        model,
+        *,
+        mixing_noise_dim=None,
+        hidden_dims=None,
+        activation="relu",
+        conditional="diagonal",
+        conditional_scale=None,
+        init_loc_fn=init_to_median,
+        init_scale=0.1,
+        num_quantile_samples=1000,
+    ):
+        if conditional not in _CONDITIONALS:
+            raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
+        if mixing_noise_dim is not None and mixing_noise_dim < 1:
+            raise ValueError(f"mixing_noise_dim must be a positive integer, got {mixing_noise_dim}")
+        if conditional_scale is not None and not conditional_scale > 0:
+            raise ValueError(f"conditional_scale must be positive, got {conditional_scale}")
+        self.conditional = conditional
+        self._mixing_noise_dim_arg = mixing_noise_dim
+        self._hidden_dims = None if hidden_dims is None else tuple(hidden_dims)
+        self._activation = activation
+        self._conditional_scale_arg = conditional_scale
+        super().__init__(
+            model,
+            init_loc_fn=init_loc_fn,
+            init_scale=init_scale,
+            num_quantile_samples=num_quantile_samples,
+        )
+
+    # ------------------------------------------------------------------ building
+    def _build_sampler(self, init_loc):
+        dim = self.latent_dim
+        small = dim <= _SMALL_D
+        g = self._mixing_noise_dim_arg or (_SMALL_NOISE if small else _LARGE_NOISE)
+        hidden = self._hidden_dims
+        if hidden is None:
+            hidden = _SMALL_HIDDEN if small else _LARGE_HIDDEN
+        net = MLPGenerator(g, dim, hidden, self._activation)
+        net = net.to(dtype=init_loc.dtype, device=init_loc.device)
+        net.init_output(init_loc, self._init_scale / math.sqrt(2))
+        self.mixing_net = net
+        # plain ints: read on every call, kept off PyroModule's attribute machinery
+        self.mixing_noise_dim = int(g)
+        self._total_noise_dim = int(g + dim)
+
+        sigma = self._conditional_scale_arg or self._init_scale / math.sqrt(2)
+        log_scale = torch.full(
+            (dim,), math.log(sigma), dtype=init_loc.dtype, device=init_loc.device
+        )
+        if self.conditional == "fixed":
+            self.register_buffer("conditional_log_scale", log_scale)
+        else:
+            # log-parameterised scale: positive without clamping (digest pitfall 11)
+            self.conditional_log_scale = nn.Parameter(log_scale)
+        if self.conditional == "full":
+            self.conditional_tril = nn.Parameter(torch.zeros_like(log_scale).diag())
+
+    @property
+    def noise_dim(self):
+        """Size of the whole noise vector :math:`(\\epsilon, \\eta)`: ``g + D``."""
+        return self._total_noise_dim
+
+    # ------------------------------------------------------------------ the two layers
+    def mixing(self, eps):
+        r"""The mixing layer :math:`\psi = T_\phi(\epsilon)`: ``(..., g)`` noise to
+        ``(..., D)`` conditional means :math:`\mu(\psi) = \psi` (with autograd graph)."""
+        return self.mixing_net(eps)
+
+    def sample_mixing(self, num_samples):
+        r"""Draw ``(num_samples, D)`` independent mixing values :math:`\psi^{(k)}` (with
+        autograd graph to :math:`\phi`); SIVI's extra draws."""
+        self._check_ready()
+        ref = self.conditional_log_scale
+        eps = torch.randn(num_samples, self.mixing_noise_dim, dtype=ref.dtype, device=ref.device)
+        return self.mixing(eps)
+
+    def conditional_scale_tril(self):
+        r"""Lower-triangular :math:`L` with :math:`\Sigma_\xi = L L^\top` (``(D, D)``)."""
+        scale = self.conditional_log_scale.exp()
+        if self.conditional == "full":
+            return self.conditional_tril.tril(-1) + scale.diag()
+        return scale.diag()
+
+    def conditional_covariance(self):
+        r""":math:`\Sigma_\xi`, ``(D, D)``."""
+        tril = self.conditional_scale_tril()
+        return tril @ tril.T
+
+    def _whiten(self, x):
+        """``L^{-1} x`` over the last dim of ``x`` (any leading shape)."""
+        if self.conditional != "full":
+            return x / self.conditional_log_scale.exp()
+        tril = self.conditional_scale_tril()
+        flat = x.reshape(-1, x.shape[-1]).T
+        white = torch.linalg.solve_triangular(tril, flat, upper=False)
+        return white.T.reshape(x.shape)
+
+    def _log_normaliser(self):
+        # log det L + (D/2) log 2 pi: must be included, since xi is learned (pitfall 3)
+        dim = self.conditional_log_scale.shape[-1]
+        return self.conditional_log_scale.sum() + 0.5 * dim * math.log(2 * math.pi)
+
+    def conditional_log_prob(self, u, psi):
+        r""":math:`\log q_\xi(u \mid \psi) = \log \mathcal N(u;\ \psi,\ \Sigma_\xi)`, summed
+        over the D coordinates; ``u`` and ``psi`` broadcast over their leading dims.
+
+        :param torch.Tensor u: ``(..., D)`` packed unconstrained latents.
+        :param torch.Tensor psi: ``(..., D)`` mixing draws.
+        :return: tensor of the broadcast leading shape.
+        """
+        white = self._whiten(u - psi)
+        return -0.5 * white.pow(2).sum(-1) - self._log_normaliser()
+
+    def pairwise_conditional_log_prob(self, u, psi):
+        r""":math:`\log q_\xi(u_n \mid \psi_m)` for all pairs, ``(N, M)``, in
+        :math:`O(NM + (N + M)D)` memory (Gram identity on whitened, centred points) instead
+        of the :math:`O(NMD)` of broadcasting :meth:`conditional_log_prob`.
+
+        :param torch.Tensor u: ``(N, D)``.
+        :param torch.Tensor psi: ``(M, D)``.
+        """
+        d2 = squared_distances(self._whiten(u), self._whiten(psi))
+        return -0.5 * d2 - self._log_normaliser()
+
+    def _conditional_sample(self, psi, eta):
+        if self.conditional == "full":
+            return psi + eta @ self.conditional_scale_tril().T
+        return psi + eta * self.conditional_log_scale.exp()
+
+    def _split_noise(self, noise):
+        return noise[..., : self.mixing_noise_dim], noise[..., self.mixing_noise_dim :]
+
+    def _latent_from_noise(self, noise):
+        eps, eta = self._split_noise(noise)
+        return self._conditional_sample(self.mixing(eps), eta)
+
+    # ------------------------------------------------------------------ pyro guide
+    def _mixing_site_name(self):
+        return f"_{self._pyro_name}_mixing"
+
+    def _implicit_info(self):
+        info = super()._implicit_info()
+        info["mixing_site"] = self._mixing_site_name()
+        info["hint"] = _PAIRING_HINT
+        return info
+
+    def sample_latent(self, *args, **kwargs):
+        """Draw ``u`` hierarchically; record the generating :math:`\\psi` for the loss."""
+        ref = self.conditional_log_scale
+        zero = torch.zeros((), dtype=ref.dtype, device=ref.device)
+        noise = pyro.sample(
+            f"_{self._pyro_name}_noise",
+            dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
+            infer={"is_auxiliary": True},
+        )
+        eps, eta = self._split_noise(noise)
+        psi = self.mixing(eps)
+        if poutine.get_mask() is not False:
+            # only losses read psi; Predictive (mask False) skips the site
+            psi = pyro.sample(
+                self._mixing_site_name(),
+                dist.Delta(psi, event_dim=1),
+                infer={"is_auxiliary": True},
+            )
+        latent = self._conditional_sample(psi, eta)
+        return pyro.sample(
+            f"_{self._pyro_name}_latent",
+            ImplicitDelta(latent, event_dim=1, hint=_PAIRING_HINT),
+            infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
+        )
+
+    def latent_groups(self):
+        """One group holding every latent site: q does not factorise across sites."""
+        self._check_ready()
+        return [list(self._unconstrained_shapes)]
