@@ -25,7 +25,13 @@ from torch.distributions import biject_to
 
 from ..guides.base import implicit_site_info
 
-__all__ = ["ImplicitELBO", "check_vectorized_log_joint", "VectorizationError"]
+__all__ = [
+    "ImplicitELBO",
+    "VectorizationError",
+    "auxiliary_site_value",
+    "check_vectorized_log_joint",
+    "packed_particles",
+]
 
 
 class VectorizationError(ValueError):
@@ -99,6 +105,37 @@ def _flatten_particles(u, event_dim, num_particles, max_plate_nesting):
     if u.shape[0] != num_particles:
         u = u.expand((num_particles,) + u.shape[1:])
     return u.reshape(num_particles, -1)
+
+
+def packed_particles(value, num_particles, max_plate_nesting):
+    """``(num_particles, P)`` rows of a packed guide site (the latent ``u`` or an auxiliary
+    value such as a mixing draw) whose batch shape is ``(num_particles, 1, ..., 1)``.
+
+    Packed sites sit outside every model plate; anything else is an error, not a reshape.
+    """
+    axis = value.dim() - 1 - max_plate_nesting
+    batch = value.shape[:-1]
+    if axis < 0 or any(size != 1 for i, size in enumerate(batch) if i != axis):
+        raise ValueError(
+            f"expected a packed guide site with batch shape (num_particles, 1, ..., 1), got "
+            f"{tuple(batch)}; a packed latent must sit outside every model plate"
+        )
+    rows = value.movedim(axis, 0).reshape(value.shape[axis], value.shape[-1])
+    return rows.expand(num_particles, -1)
+
+
+def auxiliary_site_value(guide_trace, site, key):
+    """The value of the auxiliary guide site that an implicit latent's
+    ``infer["pyro_implicit"][key]`` names (e.g. the mixing draw behind each particle)."""
+    info = implicit_site_info(site)
+    name = info.get(key)
+    if name is None or name not in guide_trace.nodes:
+        raise ValueError(
+            f"{type(info['guide']).__name__} advertises {sorted(info['capabilities'])} but "
+            f"its trace has no '{key}': the latent site's infer['pyro_implicit']['{key}'] "
+            "must name an auxiliary site holding the value behind each draw."
+        )
+    return guide_trace.nodes[name]["value"]
 
 
 class _StopAfter(Exception):

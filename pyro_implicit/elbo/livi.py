@@ -42,7 +42,7 @@ import torch
 from torch.func import jvp, vjp
 
 from ..guides.base import implicit_site_info
-from .base import ImplicitELBO, particle_sum
+from .base import ImplicitELBO, auxiliary_site_value, packed_particles, particle_sum
 
 __all__ = ["LIVI_ELBO", "jacobian", "linearized_entropy", "smallest_singular_value"]
 
@@ -240,19 +240,6 @@ def linearized_entropy(generator, z, sigma, bound="det", num_iterations=5, retur
     return (entropy, info) if return_info else entropy
 
 
-def _particle_rows(value, num_particles, max_plate_nesting):
-    """``(num_particles, P)`` view of an auxiliary site shaped ``(S, 1, ..., 1, P)``."""
-    axis = value.dim() - 1 - max_plate_nesting
-    if axis < 0 or any(s != 1 for i, s in enumerate(value.shape[:-1]) if i != axis):
-        raise ValueError(
-            f"expected a guide site with batch shape (num_particles, 1, ..., 1), got "
-            f"{tuple(value.shape[:-1])}; a linearised guide's latent must sit outside every "
-            "model plate"
-        )
-    rows = value.movedim(axis, 0).reshape(value.shape[axis], value.shape[-1])
-    return rows.expand(num_particles, -1)
-
-
 class LIVI_ELBO(ImplicitELBO):
     r"""LIVI's objective (Uppal et al. 2023, eq. 15 or eq. 18, reparameterised as in
     App. B) as a Pyro loss, for guides exposing ``generator`` and ``sigma`` such as
@@ -368,17 +355,9 @@ class LIVI_ELBO(ImplicitELBO):
         )
 
     def _site_entropy(self, guide_trace, site):
-        info = implicit_site_info(site)
-        guide = info["guide"]
-        base_name = info.get("base_site")
-        if base_name is None or base_name not in guide_trace.nodes:
-            raise ValueError(
-                f"{type(guide).__name__} flags 'jacobian' but its trace has no base site: the "
-                "latent site's infer['pyro_implicit']['base_site'] must name an auxiliary site "
-                "holding the z of each draw."
-            )
+        guide = implicit_site_info(site)["guide"]
         n, mpn = self.num_particles, self.max_plate_nesting
-        z = _particle_rows(guide_trace.nodes[base_name]["value"], n, mpn)
+        z = packed_particles(auxiliary_site_value(guide_trace, site, "base_site"), n, mpn)
         entropy, details = linearized_entropy(
             guide.generator, z, guide.sigma, self.bound, self.num_iterations, return_info=True
         )

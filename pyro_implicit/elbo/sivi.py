@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from ..guides.base import implicit_site_info
-from .base import ImplicitELBO, particle_sum
+from .base import ImplicitELBO, auxiliary_site_value, packed_particles, particle_sum
 
 __all__ = ["SIVI_ELBO", "linear_schedule"]
 
@@ -60,19 +60,6 @@ def linear_schedule(start, end, num_steps):
         return start + int(math.floor(frac * (end - start)))
 
     return schedule
-
-
-def _event_particles(value, num_particles, max_plate_nesting):
-    """``(num_particles, P)`` view of a packed site value shaped ``(J, 1, ..., 1, P)``."""
-    axis = value.dim() - 1 - max_plate_nesting
-    batch = value.shape[:-1]
-    if axis < 0 or any(size != 1 for i, size in enumerate(batch) if i != axis):
-        raise ValueError(
-            f"expected a packed site with batch shape (num_particles, 1, ..., 1), got "
-            f"{tuple(batch)}; a semi-implicit latent must sit outside every model plate"
-        )
-    flat = value.movedim(axis, 0).reshape(value.shape[axis], value.shape[-1])
-    return flat.expand(num_particles, -1)
 
 
 class SIVI_ELBO(ImplicitELBO):
@@ -204,18 +191,10 @@ class SIVI_ELBO(ImplicitELBO):
     def _log_mixture_density(self, guide_trace, site, num_mixing, bound):
         r""":math:`\log \tilde h_K(u_j)` per particle: with the generating component
         (``bound="lower"``, eq. 9) or without it (``"upper"``, eq. 10)."""
-        info = implicit_site_info(site)
-        guide = info["guide"]
-        mixing_name = info.get("mixing_site")
-        if mixing_name is None or mixing_name not in guide_trace.nodes:
-            raise ValueError(
-                f"{type(guide).__name__} flags 'conditional_density' but its trace has no "
-                "mixing site: the latent site's infer['pyro_implicit']['mixing_site'] must "
-                "name an auxiliary site holding the generating psi."
-            )
+        guide = implicit_site_info(site)["guide"]
         n, mpn = self.num_particles, self.max_plate_nesting
-        u = _event_particles(site["value"], n, mpn)
-        psi_own = _event_particles(guide_trace.nodes[mixing_name]["value"], n, mpn)
+        u = packed_particles(site["value"], n, mpn)
+        psi_own = packed_particles(auxiliary_site_value(guide_trace, site, "mixing_site"), n, mpn)
         parts = []
         if bound == "lower":
             parts.append(guide.conditional_log_prob(u, psi_own).unsqueeze(-1))
