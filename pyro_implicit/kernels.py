@@ -133,6 +133,11 @@ class RBFKernel:
         """Kernel values from squared distances and a length scale."""
         return torch.exp(-0.5 * d2 / bandwidth**2)
 
+    def derivative_wrt_squared_distance(self, d2, bandwidth):
+        r"""Derivative :math:`\partial k / \partial r` with :math:`r = \|a - b\|^2`, so that
+        :math:`\nabla_b k(a, b) = 2 (b - a) \partial k / \partial r`."""
+        return -0.5 * self.from_squared_distances(d2, bandwidth) / bandwidth**2
+
     def __call__(self, x, y=None, bandwidth=None):
         """Gram matrix ``(N, M)``; the bandwidth is computed from ``x`` and ``y`` if omitted."""
         if bandwidth is None:
@@ -177,6 +182,10 @@ class IMQKernel(RBFKernel):
 
     def from_squared_distances(self, d2, bandwidth):
         return (1.0 + 0.5 * d2 / bandwidth**2).pow(self.beta)
+
+    def derivative_wrt_squared_distance(self, d2, bandwidth):
+        base = 1.0 + 0.5 * d2 / bandwidth**2
+        return 0.5 * self.beta * base.pow(self.beta - 1.0) / bandwidth**2
 
     def stein_terms(self, x, bandwidth=None):
         """As :meth:`RBFKernel.stein_terms`; for the IMQ kernel

@@ -92,3 +92,11 @@ def test_bad_kernel_arguments():
         IMQKernel(beta=0.5)
     with pytest.raises(ValueError, match="dimension"):
         squared_distances(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("kernel", [RBFKernel(), IMQKernel()])
+def test_derivative_wrt_squared_distance_matches_autograd(kernel):
+    d2 = torch.rand(5, 4).mul(3).requires_grad_(True)
+    h = torch.tensor(0.7)
+    expected = torch.autograd.grad(kernel.from_squared_distances(d2, h).sum(), d2)[0]
+    assert torch.allclose(kernel.derivative_wrt_squared_distance(d2.detach(), h), expected)

@@ -63,9 +63,15 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
                 torch.full((n_p,), 1.0 / (regularizer * n_p), dtype=q.dtype, device=q.device),
             ]
         )
-    # r(z) as a function of the evaluation points only (eq. 7).
-    r_fn = coef @ kernel.from_squared_distances(squared_distances(centres, q), bandwidth)
-    r = r_value + (r_fn - r_fn.detach())
+        # r(z) as a function of the evaluation points only (eq. 7): its gradient at z = q_j
+        # is sum_i coef_i dk(c_i, q_j)/dq_j = 2 sum_i coef_i k'_ij (q_j - c_i), with
+        # k' = dk/d|c - q|^2 read off the Gram matrix already computed (q_j is centre j).
+        weights = coef[:, None] * kernel.derivative_wrt_squared_distance(
+            gram[:, :n_q], bandwidth
+        )
+        grad_r = 2.0 * (weights.sum(0)[:, None] * centres[:n_q] - weights.T @ centres)
+    # value r_value, gradient grad_r: a first-order surrogate in the evaluation points
+    r = r_value + (grad_r * (q - q.detach())).sum(-1)
     log_r = torch.log(torch.clamp(r, min=clip))
     info = {
         "bandwidth": bandwidth.item(),
