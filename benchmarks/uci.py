@@ -496,6 +496,7 @@ def main(argv=None):
         results["datasets"] = previous.get("datasets", {})
         results["command"] = previous.get("command", results["command"])
         results["resumed"] = previous.get("resumed", []) + [results["started"]]
+        results["started"] = previous.get("started", results["started"])
     t_start = time.perf_counter() - previous.get("total_seconds", 0.0)
     for name in args.datasets:
         config = {**DEFAULTS[name], **overrides}
