@@ -5,15 +5,19 @@ The public API is re-exported here; each name lives in one module with its paper
 
 import logging
 
-from . import kernels
+from . import kernels, particles
 from .elbo import LIVI_ELBO, SIVI_ELBO, KernelRatioELBO, VectorizationError
 from .guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
+from .particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
 __version__ = "0.1.0"
 
 logging.getLogger("pyro_implicit").addHandler(logging.NullHandler())
 
 __all__ = [
+    "FunctionSpaceSVGD",
+    "WeightSpaceSVGD",
+    "particles",
     "ImplicitAutoGuide",
     "ImplicitGuide",
     "KernelRatioELBO",

@@ -1,0 +1,498 @@
+r"""Particle updates on a Pyro model's packed unconstrained latents, and weight-space SVGD.
+
+This module holds what every particle method of the library shares:
+
+* :func:`stein_direction`: the particle update directions of the f-POVI paper's Table 1
+  (Wang, Ren, Zhu & Zhang, ICLR 2019) for any particle matrix :math:`Z \in \mathbb R^{N
+  \times D}` and scores :math:`G_i = \nabla \log p(z_i)`: SVGD (Liu & Wang, 2016),
+  w-SGLD and pi-SGLD (Chen et al., 2018) and GFSF (Liu et al., 2018). Kernel sums are
+  matrix products with an ``(N, N)`` kernel matrix, so memory is :math:`O(N^2 + N D)`,
+  never the :math:`O(N^2 D)` of ``pyro.infer.SVGD``'s kernels;
+* :class:`ParticleInference`: particles stored **particle-major** as one ``(N, D)``
+  tensor attribute (row ``i`` is particle ``i``'s full packed latent, every site), packed
+  with Pyro's :class:`~pyro.infer.autoguide.AutoContinuous` prototype, unpacked through
+  ``biject_to`` and scored by **one** run of the model under an outer particle plate;
+* :class:`WeightSpaceSVGD`: SVGD on those latents, a faster and leaner replacement for
+  ``pyro.infer.SVGD(..., mode="multivariate")``.
+
+Layout matters. ``pyro.infer.SVGD`` (pyro-ppl 1.9) packs its particle parameter site by
+site but reshapes it as if it were particle-major, so on models with several latent sites
+its kernel mixes coordinates of different particles; here each row is one particle.
+
+**Bandwidth rule.** The default kernel is :class:`~pyro_implicit.kernels.RBFKernel` with
+``bandwidth_factor = svgd_bandwidth_factor(N)``, i.e. Liu & Wang's
+:math:`k(a, b) = \exp(-\|a - b\|^2 / h)`, :math:`h = \mathrm{med}^2 / \log N`, with
+:math:`\mathrm{med}` the median off-diagonal pairwise distance. (``pyro.infer.SVGD`` uses a
+per-dimension bandwidth with :math:`\log(N + 1)`; the f-POVI code uses the median of all
+:math:`N^2` squared distances, zeros included, over :math:`\log(N + 1)`.)
+"""
+
+import collections
+import math
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide.initialization import init_to_sample
+from pyro.infer.svgd import SteinKernel
+from pyro.infer.util import is_validation_enabled
+from pyro.optim import PyroOptim
+from pyro.poutine.util import site_is_subsample
+from pyro.util import check_site_shape
+from torch.distributions import biject_to
+
+from ..elbo.base import particle_sum
+from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
+
+__all__ = [
+    "METHODS",
+    "ParticleInference",
+    "SteinDirection",
+    "WeightSpaceSVGD",
+    "stein_direction",
+]
+
+#: update rules of f-POVI's Table 1
+METHODS = ("svgd", "wsgld", "pisgld", "gfsf")
+
+#: diagonal jitter of the GFSF kernel-matrix solve (the authors' code uses a plain inverse)
+GFSF_JITTER = 1e-6
+
+SteinDirection = collections.namedtuple(
+    "SteinDirection", ["direction", "drive", "repulsion", "bandwidth"]
+)
+SteinDirection.__doc__ = """An ascent direction ``direction = drive + repulsion`` (each
+``(N, D)``): ``drive`` is the part built from the scores, ``repulsion`` the part built from
+kernel gradients; ``bandwidth`` is the kernel bandwidth used (a 0-dim tensor)."""
+
+
+def _pairwise_weighted(z, w):
+    """:math:`\\sum_j w_{ij} (z_i - z_j)` for all ``i`` as two matrix products."""
+    return z * w.sum(-1, keepdim=True) - w @ z
+
+
+def _pyro_kernel_terms(kernel, z):
+    # pyro's SteinKernel returns (N, N, D) tensors: only for comparisons with pyro.infer.SVGD
+    log_kernel, grad_term = kernel.log_kernel_and_grad(z)
+    k = log_kernel.sum(-1).exp()
+    # pyro's grad_term[n, m] is -d log k_nm / d x_m (its code, not its docstring), so the
+    # repulsion sum_m grad_{x_m} k(x_m, x_n) is minus its K-weighted sum
+    repulsion = -torch.einsum("nm,nm...->n...", k, grad_term)
+    return k, repulsion, torch.tensor(float("nan"), dtype=z.dtype)
+
+
+def stein_direction(particles, score, kernel, method="svgd"):
+    r"""Particle update direction of a POVI method (f-POVI, Table 1), as an ascent direction
+    :math:`\phi_i = -v(z_i)`; the particles move by :math:`z_i \leftarrow z_i + \epsilon
+    \phi_i`.
+
+    With :math:`K_{ij} = k(z_i, z_j)`, :math:`R_i = \sum_j \nabla_{z_j} k(z_j, z_i)` (the
+    repulsive force) and :math:`S_i = \sum_j K_{ij}`:
+
+    * ``"svgd"`` (Liu & Wang, 2016): :math:`\phi = (K G + R) / N`;
+    * ``"wsgld"`` (Chen et al., 2018): :math:`\phi_i = G_i - \sum_j \nabla_{z_i} K_{ij} / S_j
+      + R_i / S_i`;
+    * ``"pisgld"``: the average of the two, as in the authors' code (Table 1 says "sum";
+      the factor 2 only rescales the step, and the average keeps :math:`N = 1` exact);
+    * ``"gfsf"`` (Liu et al., 2018): :math:`\phi = G + (K + \epsilon I)^{-1} R`.
+
+    For :math:`N = 1` every rule reduces to gradient ascent, :math:`\phi = G`.
+
+    The kernel is evaluated on the particles shifted by the first particle (the update is
+    translation invariant): identical particles then give exactly zero repulsion instead of
+    rounding error divided by a vanishing bandwidth.
+
+    :param torch.Tensor particles: ``(N, D)`` particles (no gradient is taken).
+    :param torch.Tensor score: ``(N, D)`` :math:`\nabla \log p` at the particles.
+    :param kernel: a :class:`~pyro_implicit.kernels.RBFKernel` or
+        :class:`~pyro_implicit.kernels.IMQKernel` (any object with their
+        ``stein_terms``/``bandwidth_from_squared_distances``/``from_squared_distances``/
+        ``derivative_wrt_squared_distance`` methods), or a ``pyro.infer.SteinKernel``
+        (``"svgd"`` only, multivariate, :math:`O(N^2 D)` memory; for comparisons).
+    :param str method: one of :data:`METHODS`.
+    :rtype: SteinDirection
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    z = particles.detach()
+    g = score.detach()
+    if z.dim() != 2 or g.shape != z.shape:
+        raise ValueError(
+            f"expected particles and score of the same shape (N, D), got {tuple(z.shape)} "
+            f"and {tuple(g.shape)}"
+        )
+    n = z.shape[0]
+    z = z - z[:1]
+    if isinstance(kernel, SteinKernel):
+        if method != "svgd":
+            raise ValueError(f"a pyro SteinKernel supports method='svgd' only, got {method!r}")
+        k, repulsion, bandwidth = _pyro_kernel_terms(kernel, z)
+        return SteinDirection((k @ g + repulsion) / n, k @ g / n, repulsion / n, bandwidth)
+    if method == "svgd":
+        k, repulsion, bandwidth = kernel.stein_terms(z)
+        drive, rep = k @ g / n, repulsion / n
+        return SteinDirection(drive + rep, drive, rep, bandwidth)
+    d2 = squared_distances(z)
+    bandwidth = kernel.bandwidth_from_squared_distances(d2)
+    k = kernel.from_squared_distances(d2, bandwidth)
+    # grad_{z_i} k(z_i, z_j) = -a_ij (z_i - z_j) with a_ij >= 0 for a stationary kernel
+    a = -2.0 * kernel.derivative_wrt_squared_distance(d2, bandwidth)
+    repulsion = _pairwise_weighted(z, a)
+    if method == "gfsf":
+        eye = torch.eye(n, dtype=k.dtype, device=k.device)
+        chol = torch.linalg.cholesky(k + GFSF_JITTER * eye)
+        rep = torch.cholesky_solve(repulsion, chol)
+        return SteinDirection(g + rep, g, rep, bandwidth)
+    s = k.sum(-1)  # a constant of the update (stop-gradient in the authors' code)
+    rep = _pairwise_weighted(z, a / s) + repulsion / s.unsqueeze(-1)
+    drive = g
+    if method == "pisgld":
+        drive = 0.5 * (drive + k @ g / n)
+        rep = 0.5 * (rep + repulsion / n)
+    return SteinDirection(drive + rep, drive, rep, bandwidth)
+
+
+class _Prototype(AutoContinuous):
+    """Pyro's AutoContinuous, used only for its prototype trace and unconstrained shapes."""
+
+    def __init__(self, model):
+        super().__init__(model, init_loc_fn=init_to_sample)
+
+
+_Site = collections.namedtuple(
+    "_Site", ["name", "transform", "shape", "event_dim", "vec_shape", "start", "stop"]
+)
+
+
+def _is_deterministic(site):
+    return bool((site.get("infer") or {}).get("_deterministic", False))
+
+
+class ParticleInference:
+    """Base class: ``N`` particles of a Pyro model's packed unconstrained latent vector.
+
+    The latent vector is the one of Pyro's :class:`~pyro.infer.autoguide.AutoContinuous`
+    (every continuous latent site mapped to real space by ``biject_to`` and flattened, in
+    model order, size ``D``). The particles are an ``(N, D)`` leaf tensor
+    :attr:`particles`, particle-major, created on the first :meth:`step` (the model's
+    arguments are needed to trace it). One model run under an outer plate of size ``N`` at
+    ``dim = -max_plate_nesting - 1`` scores all particles, as in ``pyro.infer.SVGD``, so the
+    model must be vectorised over that plate.
+
+    Subclasses implement :meth:`step`; :meth:`_apply` hands the ascent direction to the
+    optimiser by overwriting the particles' gradient with its negative.
+
+    :param callable model: a Pyro model with continuous latent sites.
+    :param optim: a :class:`pyro.optim.PyroOptim` (e.g. ``pyro.optim.Adam({"lr": 1e-2})``),
+        or a callable ``params -> torch.optim.Optimizer``.
+    :param int num_particles: ``N``.
+    :param int max_plate_nesting: the model's plate nesting (the particle plate goes
+        outside it).
+    :param kernel: the kernel of the update (see :func:`stein_direction`); default
+        :class:`~pyro_implicit.kernels.RBFKernel` with the SVGD median rule.
+    :param str method: update rule, one of :data:`METHODS`.
+    :param init_particles: ``None`` (default) draws each particle from the prior (Pyro's
+        ``init_to_sample``, as ``pyro.infer.SVGD``); or an ``(N, D)`` unconstrained tensor;
+        or ``{site: (N, *site_shape) constrained tensor}`` for every latent site.
+    """
+
+    #: name of the particle plate
+    plate_name = "_svgd_particles"
+
+    def __init__(
+        self,
+        model,
+        optim,
+        num_particles,
+        max_plate_nesting,
+        kernel=None,
+        method="svgd",
+        init_particles=None,
+    ):
+        if not callable(model):
+            raise TypeError("model must be a callable Pyro model")
+        if not (isinstance(optim, PyroOptim) or callable(optim)):
+            raise TypeError(
+                "optim must be a pyro.optim.PyroOptim (e.g. pyro.optim.Adam({'lr': 1e-2})) or "
+                "a callable params -> torch.optim.Optimizer"
+            )
+        if int(num_particles) != num_particles or num_particles < 1:
+            raise ValueError(f"num_particles must be a positive int, got {num_particles!r}")
+        if int(max_plate_nesting) != max_plate_nesting or max_plate_nesting < 0:
+            raise ValueError(
+                f"max_plate_nesting must be a non-negative int, got {max_plate_nesting!r}"
+            )
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.model = model
+        self.optim = optim
+        self.num_particles = int(num_particles)
+        self.max_plate_nesting = int(max_plate_nesting)
+        if kernel is None:
+            kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
+        self.kernel = kernel
+        self.method = method
+        self._init_particles = init_particles
+        #: the ``(N, D)`` unconstrained particles (a leaf tensor), after the first step
+        self.particles = None
+        self._sites = None
+        self._torch_optim = None
+        self.latent_dim = None
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, args, kwargs):
+        if self._sites is not None:
+            return
+        proto = _Prototype(self.model)
+        with torch.no_grad():
+            proto._setup_prototype(*args, **kwargs)
+        n, mpn = self.num_particles, self.max_plate_nesting
+        sites, pos = [], 0
+        for name, site in proto.prototype_trace.iter_stochastic_nodes():
+            for frame in site["cond_indep_stack"]:
+                if frame.full_size is not None and frame.full_size != frame.size:
+                    raise NotImplementedError(
+                        f"Latent site '{name}' lies in the subsampled plate '{frame.name}' "
+                        f"({frame.size} of {frame.full_size}): particle methods pack a fixed "
+                        "latent vector and cannot hold local latents of a subsampled plate. "
+                        "Subsample only plates without latent sites."
+                    )
+            value = site["value"]
+            fn = site["fn"]
+            shape = proto._unconstrained_shapes[name]
+            batch_ndim = value.dim() - fn.event_dim
+            if batch_ndim > mpn:
+                raise ValueError(
+                    f"Latent site '{name}' has batch shape {tuple(value.shape[:batch_ndim])}, "
+                    f"more dims than max_plate_nesting={mpn}: pass the model's true plate "
+                    "nesting, and use .to_event() for dims that are not plates."
+                )
+            event_dim = fn.event_dim + len(shape) - value.dim()
+            size = math.prod(shape)
+            sites.append(
+                _Site(
+                    name,
+                    biject_to(fn.support),
+                    tuple(value.shape),
+                    event_dim,
+                    (n,) + (1,) * (mpn - batch_ndim) + tuple(shape),
+                    pos,
+                    pos + size,
+                )
+            )
+            pos += size
+        self._sites = sites
+        self.latent_dim = pos
+        dtype = proto.prototype_trace.nodes[sites[0].name]["value"].dtype
+        init = self._initial_particles(args, kwargs, dtype)
+        self.particles = init.detach().clone().requires_grad_(True)
+        if not isinstance(self.optim, PyroOptim):
+            self._torch_optim = self.optim([self.particles])
+
+    def _initial_particles(self, args, kwargs, dtype):
+        n = self.num_particles
+        init = self._init_particles
+        if init is None:
+            with torch.no_grad(), poutine.block():
+                trace = self._trace({}, args, kwargs)
+            return self._pack({s.name: trace.nodes[s.name]["value"] for s in self._sites})
+        if isinstance(init, dict):
+            missing = [s.name for s in self._sites if s.name not in init]
+            if missing:
+                raise ValueError(f"init_particles lacks the latent sites {missing}")
+            return self._pack(init)
+        init = torch.as_tensor(init, dtype=dtype)
+        if init.shape != (n, self.latent_dim):
+            raise ValueError(
+                f"init_particles must have shape (num_particles, latent_dim) = "
+                f"({n}, {self.latent_dim}), got {tuple(init.shape)}"
+            )
+        return init
+
+    def _pack(self, values):
+        """``(N, D)`` unconstrained rows from ``{site: constrained value}``; a value may have
+        shape ``(N, *site_shape)`` or the plate-aligned ``vec_shape``."""
+        rows = []
+        for s in self._sites:
+            v = torch.as_tensor(values[s.name])
+            u = s.transform.inv(v)
+            u = u.reshape(self.num_particles, -1) if u.numel() > 0 else u
+            if u.shape != (self.num_particles, s.stop - s.start):
+                raise ValueError(
+                    f"value of site '{s.name}' has shape {tuple(v.shape)}; expected "
+                    f"({self.num_particles}, *{s.shape})"
+                )
+            rows.append(u)
+        return torch.cat(rows, dim=-1)
+
+    # ------------------------------------------------------------------ model runs
+    def _unpack(self, particles, log_jacobian=False):
+        """Constrained, plate-aligned site values of the particles (keeping the graph), the
+        unconstrained views, and optionally the per-particle log |det dT/du|."""
+        values, views = {}, {}
+        ladj = 0.0
+        for s in self._sites:
+            u = particles[:, s.start : s.stop].reshape(s.vec_shape)
+            v = s.transform(u)
+            values[s.name], views[s.name] = v, u
+            if log_jacobian:
+                j = s.transform.log_abs_det_jacobian(u, v)
+                if torch.is_tensor(j) and j.dim() > 0:
+                    ladj = ladj + j.reshape(j.shape[0], -1).sum(-1)
+                else:
+                    ladj = ladj + j
+        return values, views, ladj
+
+    def _trace(self, values, args, kwargs, size=None, name=None):
+        """Trace the model under the particle plate, conditioned on ``values``."""
+        model = poutine.condition(self.model, data=values) if values else self.model
+        plate = pyro.plate(
+            name or self.plate_name, size or self.num_particles, dim=-self.max_plate_nesting - 1
+        )
+        with plate:
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+        return trace
+
+    def _check_shapes(self, trace):
+        if is_validation_enabled():
+            trace.compute_log_prob()
+            for site in trace.nodes.values():
+                if site["type"] == "sample" and not site_is_subsample(site):
+                    check_site_shape(site, self.max_plate_nesting + 1)
+
+    def _particle_sum(self, trace, names):
+        """Per-particle sum of the (scaled, masked) log-densities of the named sites."""
+        total = 0.0
+        for name in names:
+            total = total + particle_sum(
+                trace.nodes[name]["log_prob"], self.num_particles, self.max_plate_nesting + 1
+            )
+        if not torch.is_tensor(total):
+            total = torch.zeros(self.num_particles, dtype=self.particles.dtype)
+        return total
+
+    def _observed_names(self, trace):
+        latent = {s.name for s in self._sites}
+        return [
+            name
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample"
+            and site["is_observed"]
+            and name not in latent
+            and not site_is_subsample(site)
+            and not _is_deterministic(site)
+        ]
+
+    # ------------------------------------------------------------------ updates
+    def _apply(self, direction):
+        """One optimiser step along the ascent ``direction`` (grads = -direction)."""
+        self.particles.grad = -direction.detach().to(self.particles.dtype)
+        if self._torch_optim is not None:
+            self._torch_optim.step()
+        else:
+            self.optim([self.particles])
+        self.particles.grad = None
+
+    @staticmethod
+    def _norm(t):
+        return t.norm(dim=-1).mean().item()
+
+    def step(self, *args, **kwargs):
+        """One update of all particles; returns a dict of diagnostics."""
+        raise NotImplementedError
+
+    def run(self, num_steps, *args, progress_bar=False, **kwargs):
+        """Call :meth:`step` ``num_steps`` times with the model's arguments.
+
+        :param bool progress_bar: show a ``tqdm`` bar with the last diagnostics.
+        :return: ``{diagnostic: list of values, one per step}``.
+        """
+        history = collections.defaultdict(list)
+        steps = range(num_steps)
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc=type(self).__name__)
+        for _ in steps:
+            diag = self.step(*args, **kwargs)
+            for key, value in diag.items():
+                history[key].append(value)
+            if progress_bar:
+                steps.set_postfix({k: f"{v:.3g}" for k, v in diag.items()}, refresh=False)
+        return dict(history)
+
+    # ------------------------------------------------------------------ results
+    @torch.no_grad()
+    def get_named_particles(self):
+        """``{site: (N, *site_shape)}`` constrained particle values, detached copies, without the
+        plate-padding dims: ready for ``Predictive(model, posterior_samples=...)``, which then
+        predicts with the equal-weight mixture over particles."""
+        if self._sites is None:
+            raise RuntimeError("no particles yet: call step(*args) first")
+        # clone: for real-valued sites the values are views of the live particle tensor
+        values, _, _ = self._unpack(self.particles.detach().clone())
+        return {
+            s.name: values[s.name].reshape((self.num_particles,) + s.shape) for s in self._sites
+        }
+
+
+class WeightSpaceSVGD(ParticleInference):
+    r"""Stein variational gradient descent on a Pyro model's packed unconstrained latents
+    (Liu & Wang, 2016), plus the w-SGLD, pi-SGLD and GFSF rules of f-POVI's Table 1.
+
+    Used like ``pyro.infer.SVGD(..., mode="multivariate")``::
+
+        svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), num_particles=50,
+                               max_plate_nesting=1)
+        for _ in range(1000):
+            svgd.step(x, y)
+        samples = Predictive(model, posterior_samples=svgd.get_named_particles())(x_test)
+
+    The score of particle :math:`u_i` is :math:`\nabla_u [\log p(x, T(u)) + \log |\det
+    \partial T / \partial u|]` (the unconstrained-space posterior, as Pyro's SVGD), taken by
+    one backward pass through one vectorised model run. The kernel acts on the whole
+    particle rows (all sites jointly, particle-major) with an isotropic bandwidth; kernel
+    sums are ``(N, N)`` matrix products, so a step needs :math:`O(N^2 + N D)` memory for the
+    update instead of the several :math:`(N, N, D)` tensors of ``pyro.infer.SVGD``.
+
+    In over-parameterised models (BNNs) weight-space SVGD collapses towards one function as
+    the width grows (f-POVI, Sec. 2 and Fig. 5);
+    :class:`~pyro_implicit.particles.FunctionSpaceSVGD` fixes that.
+
+    See :class:`ParticleInference` for the arguments.
+    """
+
+    def step(self, *args, **kwargs):
+        """One SVGD update of all particles.
+
+        :return: ``{"attractive", "repulsive"}`` (mean per-particle norms of the score part
+            and the kernel-gradient part of the direction), ``"bandwidth"`` (the kernel's
+            length scale :math:`\\sigma`, :math:`k = \\exp(-d^2 / 2\\sigma^2)`) and
+            ``"log_joint"`` (mean over particles, unconstrained space).
+        """
+        first = self._sites is None
+        self._setup(args, kwargs)
+        with torch.enable_grad():
+            values, _, ladj = self._unpack(self.particles, log_jacobian=True)
+            trace = self._trace(values, args, kwargs)
+            if first:
+                self._check_shapes(trace)
+            names = [
+                name
+                for name, site in trace.nodes.items()
+                if site["type"] == "sample"
+                and not site_is_subsample(site)
+                and not _is_deterministic(site)
+            ]
+            trace.compute_log_prob(site_filter=lambda name, site: name in names)
+            log_joint = self._particle_sum(trace, names) + ladj
+            (score,) = torch.autograd.grad(log_joint.sum(), self.particles)
+        d = stein_direction(self.particles, score, self.kernel, self.method)
+        self._apply(d.direction)
+        return {
+            "attractive": self._norm(d.drive),
+            "repulsive": self._norm(d.repulsion),
+            "bandwidth": d.bandwidth.item(),
+            "log_joint": log_joint.detach().mean().item(),
+        }
