@@ -6,7 +6,14 @@ The public API is re-exported here; each name lives in one module with its paper
 import logging
 
 from . import kernels, particles
-from .elbo import LIVI_ELBO, SIVI_ELBO, KernelRatioELBO, VectorizationError
+from .elbo import (
+    GPVI_ELBO,
+    LIVI_ELBO,
+    SIVI_ELBO,
+    AmortizedSVGD_ELBO,
+    KernelRatioELBO,
+    VectorizationError,
+)
 from .guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
 from .particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
@@ -15,6 +22,8 @@ __version__ = "0.1.0"
 logging.getLogger("pyro_implicit").addHandler(logging.NullHandler())
 
 __all__ = [
+    "AmortizedSVGD_ELBO",
+    "GPVI_ELBO",
     "FunctionSpaceSVGD",
     "WeightSpaceSVGD",
     "particles",

@@ -1,28 +1,64 @@
 """Command line: ``python -m pyro_implicit`` (or the ``pyro-implicit`` script).
 
 With no arguments it runs the default job: the eight-schools model fitted with
-``ImplicitGuide`` + ``KernelRatioELBO``, ``AutoNormal`` and ``AutoMultivariateNormal``,
-each compared with NUTS (2 chains), in about a minute on two CPU cores. The same job with
-other settings::
+``ImplicitGuide`` + ``KernelRatioELBO``, ``SemiImplicitGuide`` + ``SIVI_ELBO``,
+``AutoNormal`` and ``AutoMultivariateNormal``, each compared with NUTS (2 chains), in
+about a minute on two CPU cores. The same job with other settings::
 
     python -m pyro_implicit compare --model eight_schools --methods implicit,autonormal \\
-        --steps 2000 --seed 0 --nuts-samples 500
+        --steps 2000 --seed 0 --nuts-samples 500 --report out/
 
-``--smoke`` caps every count to a tiny run (for tests). The report goes to stdout,
-progress to stderr.
+``--model`` takes a built-in model (:data:`pyro_implicit.models.BUILTIN_MODELS`) or a
+Python file of your own, ``path/to/file.py:NAME`` (``:NAME`` defaults to ``:model``).
+The file is run as a module and ``NAME`` must be either
+
+* a :class:`~pyro_implicit.models.BuiltinModel` (the model with its data), or
+* a Pyro model (a callable), with its data in the module-level names ``args`` (a tuple
+  of positional arguments, default ``()``), ``kwargs`` (a dict of keyword arguments,
+  default ``{}``) and optionally ``max_plate_nesting`` (an int; guessed from one model
+  run if absent).
+
+For example ``my_model.py``::
+
+    import pyro, pyro.distributions as dist, torch
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+    args = (torch.tensor([1.2, 0.4, 2.2]),)
+
+and ``python -m pyro_implicit compare --model my_model.py:model``. The file is run after
+``--dtype`` is set, so tensors it builds get that dtype. The model must have continuous
+latent sites only (NUTS is the reference) and broadcast over an outer sample plate.
+
+``--methods all`` runs every method of :data:`~pyro_implicit.diagnostics.compare.METHODS`.
+``--smoke`` caps every count to a tiny run (for tests). The table goes to stdout,
+progress to stderr. ``--report DIR`` also writes ``comparison.json`` (every number, loss
+traces included), ``table.md``, ``loo.csv`` (``az.compare`` of the ArviZ exports),
+``losses.png``, ``pairs_<method>.png`` and, for a BNN regression model,
+``predictive.png``. Bad input (an unknown method or model, a file without the model, a
+model with discrete latent sites) ends with a message on stderr and exit code 2.
 """
 
 import argparse
+import importlib.util
+import json
+import math
+import os
 import sys
 import time
+import warnings
 
 import torch
 
 from . import __version__
-from .diagnostics.compare import METHODS, compare
-from .models import BUILTIN_MODELS, load_model
+from .diagnostics.compare import METHODS, compare, guess_max_plate_nesting
+from .diagnostics.nuts import check_continuous_latents
+from .models import BUILTIN_MODELS, BuiltinModel, load_model
 
-__all__ = ["main"]
+__all__ = ["build_parser", "load_user_model", "main"]
 
 #: defaults of the ``compare`` command (the default job); tuned to take about a minute
 DEFAULTS = {
@@ -37,6 +73,17 @@ DEFAULTS = {
 
 #: upper bounds applied by ``--smoke``
 SMOKE_CAPS = {"steps": 10, "samples": 100, "nuts_samples": 20, "nuts_warmup": 20}
+
+#: what a user file must expose (also the message when it does not)
+USER_FILE_CONVENTION = (
+    "NAME in path/to/file.py:NAME (default 'model') must be a pyro_implicit.models."
+    "BuiltinModel, or a Pyro model (a callable) with its data in the module-level names "
+    "'args' (tuple), 'kwargs' (dict) and optionally 'max_plate_nesting' (int)"
+)
+
+
+class InputError(Exception):
+    """Bad input on the command line: reported on stderr with exit code 2."""
 
 
 def _positive_int(text):
@@ -55,22 +102,27 @@ def build_parser():
     :rtype: argparse.ArgumentParser
     """
     parser = argparse.ArgumentParser(
-        prog="python -m pyro_implicit",
-        description="Fit variational posteriors to a built-in Pyro model and compare each "
-        "with NUTS. Without arguments: the default job (eight schools, all methods).",
+        prog="pyro-implicit",
+        description="Fit posterior approximations to a Pyro model and compare each with "
+        "NUTS. Without arguments: the default job (eight schools, four methods).",
     )
     parser.add_argument("--version", action="version", version=f"pyro_implicit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{compare}")
-    p = sub.add_parser("compare", help="compare methods with NUTS on one model (default)",
-                       description="Compare variational methods with NUTS on one model.")
-    p.add_argument("--model", default=DEFAULTS["model"], choices=list(BUILTIN_MODELS),
-                   help="built-in model (default %(default)s)")
+    p = sub.add_parser(
+        "compare", help="compare methods with NUTS on one model (default)",
+        description="Compare posterior approximations with NUTS on one model.",
+        epilog="User files: " + USER_FILE_CONVENTION + ".",
+    )
+    p.add_argument("--model", default=DEFAULTS["model"],
+                   help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a file "
+                   "path/to/file.py[:NAME] (default %(default)s)")
     p.add_argument("--methods", default=DEFAULTS["methods"],
-                   help=f"comma-separated, from: {', '.join(METHODS)} (default all)")
+                   help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' "
+                   "(default %(default)s)")
     p.add_argument("--steps", type=_positive_int, default=DEFAULTS["steps"],
-                   help="SVI steps per method (default %(default)s)")
+                   help="optimisation steps per method (default %(default)s)")
     p.add_argument("--samples", type=_positive_int, default=DEFAULTS["samples"],
-                   help="posterior draws per method (default %(default)s)")
+                   help="posterior draws per guide (default %(default)s)")
     p.add_argument("--lr", type=float, default=None,
                    help="initial learning rate of every method (default: per method)")
     p.add_argument("--nuts-samples", type=_positive_int, default=DEFAULTS["nuts_samples"],
@@ -85,6 +137,12 @@ def build_parser():
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="default torch dtype (default %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="write plots, table.md, loo.csv and comparison.json (every number) "
+                   "to DIR")
+    p.add_argument("--plot-sites", default=None,
+                   help="comma-separated sites or coordinates (e.g. mu,tau,theta[0]) for the "
+                   "pair plots of --report (default: the first six coordinates)")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run for tests: caps " + ", ".join(
@@ -100,32 +158,115 @@ def _parse(argv):
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["compare"] + argv
     args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.methods.strip() == "all":
+        methods = list(METHODS)
+    else:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         compare_parser.error(
             f"unknown method(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose "
-            f"from: {', '.join(METHODS)}"
+            f"from: {', '.join(METHODS)} (or 'all')"
         )
     if len(set(methods)) != len(methods):
         compare_parser.error(f"--methods lists a method twice: {args.methods}")
     args.methods = methods
+    if args.model not in BUILTIN_MODELS and ".py" not in args.model:
+        compare_parser.error(
+            f"unknown model {args.model!r}; choose a built-in model ("
+            f"{', '.join(BUILTIN_MODELS)}) or a file path/to/file.py:NAME"
+        )
     if args.smoke:
         for key, cap in SMOKE_CAPS.items():
             setattr(args, key, min(getattr(args, key), cap))
     return args
 
 
+def load_user_model(spec):
+    """The model of a user file ``path/to/file.py[:NAME]`` (see the module docstring for
+    the convention).
+
+    :param str spec: the file, optionally followed by ``:NAME`` (default ``model``).
+    :rtype: ~pyro_implicit.models.BuiltinModel
+    :raises InputError: if the file is missing, fails to run, or does not expose a
+        model as the convention says.
+    """
+    path, name = spec, "model"
+    if not spec.endswith(".py"):
+        path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise InputError(f"model file {spec!r} is not of the form path/to/file.py:NAME")
+    if not os.path.isfile(path):
+        raise InputError(f"model file {path!r} does not exist")
+    module_name = "_pyro_implicit_user_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    # the file may import modules next to it, and dataclasses in it need sys.modules
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise InputError(f"running {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(folder)
+    if not hasattr(module, name):
+        raise InputError(f"{path} defines no {name!r}: {USER_FILE_CONVENTION}")
+    obj = getattr(module, name)
+    if isinstance(obj, BuiltinModel):
+        return obj
+    if not callable(obj):
+        raise InputError(f"{path}:{name} is a {type(obj).__name__}, not a model: "
+                         f"{USER_FILE_CONVENTION}")
+    model_args = getattr(module, "args", ())
+    model_kwargs = getattr(module, "kwargs", {})
+    if not isinstance(model_args, (tuple, list)) or not isinstance(model_kwargs, dict):
+        raise InputError(f"{path}: 'args' must be a tuple and 'kwargs' a dict: "
+                         f"{USER_FILE_CONVENTION}")
+    mpn = getattr(module, "max_plate_nesting", None)
+    return BuiltinModel(
+        name=f"{os.path.basename(path)}:{name}",
+        model=obj,
+        args=tuple(model_args),
+        kwargs=dict(model_kwargs),
+        max_plate_nesting=mpn,
+        description=(obj.__doc__ or "user model").strip().splitlines()[0],
+    )
+
+
+def _load(args):
+    """The model to compare, checked: continuous latents, runs once."""
+    if args.model in BUILTIN_MODELS:
+        try:
+            spec = load_model(args.model)
+        except FileNotFoundError as e:
+            raise InputError(f"model {args.model!r} needs its data: {e}") from e
+    else:
+        spec = load_user_model(args.model)
+    try:
+        check_continuous_latents(spec.model, *spec.args, **spec.kwargs)
+        mpn = spec.max_plate_nesting
+        if mpn is None:
+            mpn = guess_max_plate_nesting(spec.model, *spec.args, **spec.kwargs)
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    except Exception as e:
+        raise InputError(f"running the model {spec.name} failed: {type(e).__name__}: {e}") from e
+    return spec, mpn
+
+
 def _header(args, spec):
     width = max(len(m) for m in args.methods)
     lines = [
-        f"pyro_implicit {__version__}: variational posteriors compared with NUTS",
+        f"pyro_implicit {__version__}: posterior approximations compared with NUTS",
         f"model:    {spec.name}: {spec.description}",
         "methods:  " + f"\n{'':10}".join(
             f"{m.ljust(width)}  {METHODS[m].description}" for m in args.methods
         ),
-        f"settings: {args.steps} SVI steps per method (ClippedAdam, lr decayed 10x over the "
-        f"run), {args.samples} posterior draws per method;",
+        f"settings: {args.steps} steps per method (ClippedAdam, lr decayed 10x over the "
+        f"run), {args.samples} posterior draws per guide;",
         f"{'':10}NUTS {args.nuts_chains} chain(s) x {args.nuts_samples} draws after "
         f"{args.nuts_warmup} warmup; seed {args.seed}; {args.dtype}; "
         f"{args.threads} thread(s)" + ("; SMOKE RUN" if args.smoke else ""),
@@ -133,12 +274,108 @@ def _header(args, spec):
     return "\n".join(lines)
 
 
+def _loo_table(result, spec, mpn, seed):
+    """``az.compare`` of the ArviZ exports of every row, or ``None`` with the reason."""
+    from .diagnostics.arviz import _arviz, comparison_to_inference_data
+
+    az = _arviz()
+    idatas = comparison_to_inference_data(result, spec.model, spec.args, spec.kwargs,
+                                          max_plate_nesting=mpn, seed=seed)
+    if not all("log_likelihood" in idata for idata in idatas.values()):  # 0.x and 1.x
+        return None, "the model has no observed site"
+    with warnings.catch_warnings():
+        # Pareto-k warnings (and the Pareto fit's divisions by zero on collapsed particle
+        # sets) are expected for VI draws and tiny runs: the table has a warning column.
+        # arviz 0.23 also trips a pandas deprecation of sort_values.
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.filterwarnings("ignore", message=".*inplace keyword", category=DeprecationWarning)
+        return az.compare(idatas), None
+
+
+def write_report(folder, result, spec, mpn, args, header, total):
+    """Write the report folder of ``--report``.
+
+    :return: the paths written.
+    :rtype: list[str]
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    from .diagnostics.plots import loss_curves, pair_plot, regression_predictive_plot
+
+    os.makedirs(folder, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(folder, name)
+        fig.savefig(path, dpi=110)
+        written.append(path)
+
+    coords = args.plot_sites.split(",") if args.plot_sites else None
+    for name, r in result.methods.items():
+        save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
+                       seed=args.seed), f"pairs_{name}.png")
+    if any(r.losses for r in result.methods.values()):
+        save(loss_curves(result), "losses.png")
+    from .bnn import BNNRegression
+
+    bnn = (spec.extras or {}).get("bnn")
+    if isinstance(bnn, BNNRegression) and "x_test" in spec.extras:
+        draws = {n: r.samples for n, r in result.methods.items()}
+        save(regression_predictive_plot(bnn, spec.extras["x_test"], draws, result.nuts.samples,
+                                        y=spec.extras.get("y_test"), max_plate_nesting=mpn,
+                                        seed=args.seed), "predictive.png")
+
+    data = result.to_dict()
+    data["model"] = {"name": spec.name, "description": spec.description}
+    data["command"] = {k: v for k, v in vars(args).items()}
+    data["header"] = header
+    data["total_seconds"] = total
+    try:
+        loo, why = _loo_table(result, spec, mpn, args.seed)
+    except Exception as e:  # the report should not die on a LOO failure
+        loo, why = None, f"{type(e).__name__}: {e}"
+    if loo is not None:
+        path = os.path.join(folder, "loo.csv")
+        loo.to_csv(path)
+        written.append(path)
+        data["loo"] = json.loads(loo.to_json(orient="index"))
+    else:
+        data["loo"] = {"skipped": why}
+    path = os.path.join(folder, "table.md")
+    with open(path, "w") as f:
+        f.write("```text\n" + header + "\n```\n\n" + result.to_markdown() + "\n\n"
+                + result.to_markdown(per_site=True) + "\n")
+    written.append(path)
+    path = os.path.join(folder, "comparison.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=_json_default)
+    written.append(path)
+    return written
+
+
+def _json_default(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return repr(x)
+
+
+def _fail(message):
+    print(f"pyro-implicit compare: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None):
     """Run the command line.
 
     :param list argv: arguments without the program name (default ``sys.argv[1:]``);
         empty runs the default job.
-    :return: exit code 0 (bad arguments exit with code 2 through ``argparse``).
+    :return: exit code: 0, or 2 for bad input (``argparse`` errors exit with 2 too).
     :rtype: int
     """
     args = _parse(argv)
@@ -146,8 +383,12 @@ def main(argv=None):
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, args.dtype))
     try:
-        spec = load_model(args.model)  # data in the dtype just set
-        print(_header(args, spec), flush=True)
+        try:
+            spec, mpn = _load(args)  # data in the dtype just set
+        except InputError as e:
+            return _fail(str(e))
+        header = _header(args, spec)
+        print(header, flush=True)
         start = time.perf_counter()
         result = compare(
             spec.model,
@@ -161,17 +402,21 @@ def main(argv=None):
                 "num_chains": args.nuts_chains,
             },
             seed=args.seed,
-            max_plate_nesting=spec.max_plate_nesting,
+            max_plate_nesting=mpn,
             progress=not args.quiet,
             lr=args.lr,
             **spec.kwargs,
         )
         total = time.perf_counter() - start
+        print()
+        print(result.to_markdown() if args.markdown else result.table())
+        print(f"total {total:.1f} s", flush=True)
+        if args.report:
+            written = write_report(args.report, result, spec, mpn, args, header, total)
+            if not args.quiet:
+                print(f"report: {len(written)} files in {args.report}", file=sys.stderr)
     finally:
         torch.set_default_dtype(old_dtype)
-    print()
-    print(result.to_markdown() if args.markdown else result.table())
-    print(f"total {total:.1f} s")
     return 0
 
 

@@ -22,7 +22,16 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-__all__ = ["BUILTIN_MODELS", "BuiltinModel", "banana", "eight_schools", "load_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "BuiltinModel",
+    "banana",
+    "eight_schools",
+    "load_model",
+    "logistic_regression_model",
+    "waveform_logistic",
+    "yacht_bnn",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +42,11 @@ class BuiltinModel:
     :ivar callable model: the Pyro model.
     :ivar tuple args: positional arguments of ``model``.
     :ivar dict kwargs: keyword arguments of ``model``.
-    :ivar int max_plate_nesting: number of plates the model nests (for ELBOs and NUTS).
+    :ivar int max_plate_nesting: number of plates the model nests (for ELBOs and NUTS);
+        ``None`` (allowed for user models) means: guess it from one model run.
     :ivar str description: one line saying what the model is.
+    :ivar dict extras: anything else a plot or report may use (e.g. the BNN object and its
+        test split for predictive bands); empty for most models.
     """
 
     name: str
@@ -43,6 +55,7 @@ class BuiltinModel:
     kwargs: dict
     max_plate_nesting: int
     description: str
+    extras: dict = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,10 +145,106 @@ def banana(a=2.0, b=0.25):
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Bayesian logistic regression on waveform
+# ---------------------------------------------------------------------------------------
+
+
+def logistic_regression_model(x, y=None, prior_scale=10.0):
+    r"""Bayesian logistic regression, written to broadcast over particle plates:
+
+    .. math::
+        \beta \sim \mathcal N(0, s^2 I_D), \qquad
+        y_i \sim \mathrm{Bernoulli}(\sigma(x_i^\top \beta)), \quad i = 1..n.
+
+    The intercept, if any, is a column of ones in ``x``.
+
+    :param torch.Tensor x: ``(n, D)`` features.
+    :param torch.Tensor y: ``(n,)`` labels in {0, 1}; ``None`` samples them.
+    :param float prior_scale: prior standard deviation :math:`s` of every coefficient.
+    """
+    beta = pyro.sample(
+        "beta", dist.Normal(x.new_zeros(()), prior_scale).expand([x.shape[-1]]).to_event(1)
+    )
+    with pyro.plate("data", x.shape[0], dim=-1):
+        # beta is (..., 1, D) under a particle plate: an elementwise product and a sum keep
+        # particles apart, where beta @ x.T would mix them.
+        logits = (x * beta).sum(-1)
+        pyro.sample("obs", dist.Bernoulli(logits=logits), obs=y)
+
+
+def waveform_logistic():
+    """Bayesian logistic regression on the SIVI paper's waveform set (400 training points,
+    21 features plus an intercept: ``beta`` has D = 22), prior ``N(0, 100)`` (variance) per
+    coefficient as in the SIVI paper (Yin & Zhou 2018, Sec. 4.2).
+
+    Reads ``sivi/waveform.mat`` from the data folder (needs scipy), see
+    :func:`pyro_implicit.datasets.load_waveform`.
+
+    :rtype: BuiltinModel
+    :raises FileNotFoundError: if the data folder or file is missing.
+    """
+    from .datasets import load_waveform
+
+    data = load_waveform(dtype=torch.get_default_dtype())
+    return BuiltinModel(
+        name="waveform_logistic",
+        model=logistic_regression_model,
+        args=(data.x_train, data.y_train),
+        kwargs={"prior_scale": 10.0},
+        max_plate_nesting=1,
+        description="Bayesian logistic regression on waveform (n = 400, beta[22], "
+        "prior N(0, 10^2))",
+        extras={"x_test": data.x_test, "y_test": data.y_test},
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# a small BNN on yacht
+# ---------------------------------------------------------------------------------------
+
+#: hidden width of :func:`yacht_bnn`: small enough for NUTS to finish in minutes
+YACHT_HIDDEN = 10
+
+
+def yacht_bnn(split=0, hidden=YACHT_HIDDEN):
+    """A one-hidden-layer BNN regression (:class:`~pyro_implicit.bnn.BNNRegression`, tanh,
+    ``N(0, 1)`` weights, ``Gamma(6, 6)`` noise precision) on split ``split`` of UCI yacht
+    (277 training points, 6 features; standardised). With ``hidden=10`` the latent has
+    ``7*10 + 11*1 + 1 = 82`` coordinates. tanh rather than ReLU: a smooth likelihood keeps
+    NUTS's trajectories short.
+
+    Reads ``uci/yacht`` from the data folder, see :func:`pyro_implicit.datasets.load_uci`.
+
+    :param int split: which of the 20 standard splits.
+    :param int hidden: hidden-layer width.
+    :rtype: BuiltinModel
+    :raises FileNotFoundError: if the data folder or files are missing.
+    """
+    from .bnn import BNNRegression
+    from .datasets import load_uci
+
+    data = load_uci("yacht", split, dtype=torch.get_default_dtype())
+    bnn = BNNRegression(data.in_dim, hidden_dims=(hidden,), activation="tanh")
+    return BuiltinModel(
+        name="yacht_bnn",
+        model=bnn,
+        args=(data.x_train, data.y_train),
+        kwargs={},
+        max_plate_nesting=1,
+        description=f"BNN regression on UCI yacht split {split} (n = {data.n_train}, "
+        f"{data.in_dim}-{hidden}-1 tanh, D = {bnn.num_weights + 1})",
+        extras={"bnn": bnn, "x_test": data.x_test, "y_test": data.y_test,
+                "y_std": data.y_std},
+    )
+
+
 #: name -> function returning a :class:`BuiltinModel`
 BUILTIN_MODELS = {
     "eight_schools": eight_schools,
     "banana": banana,
+    "waveform_logistic": waveform_logistic,
+    "yacht_bnn": yacht_bnn,
 }
 
 

@@ -1,20 +1,74 @@
-"""The command line, run in-process through ``main``."""
+"""The command line, run in-process through ``main`` (one run as ``python -m``)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from pyro_implicit.__main__ import SMOKE_CAPS, _parse, main
+from pyro_implicit.__main__ import DEFAULTS, SMOKE_CAPS, _parse, main
 from pyro_implicit.diagnostics.compare import METHODS
 
+DEFAULT_METHODS = DEFAULTS["methods"].split(",")
 
-def test_smoke_prints_table(capsys):
+# az.compare in --report on arviz 0.23 with pandas 3, and Pareto-k on tiny runs
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Estimated shape parameter of Pareto:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*inplace keyword:DeprecationWarning"),
+]
+
+USER_MODEL = """
+import dataclasses
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+
+@dataclasses.dataclass
+class Prior:  # a dataclass in the file needs the module in sys.modules
+    scale: float = 10.0
+
+
+def model(y):
+    \"\"\"normal mean with a known scale\"\"\"
+    mu = pyro.sample("mu", dist.Normal(0.0, Prior().scale))
+    with pyro.plate("data", y.shape[-1]):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def broken(y):
+    raise RuntimeError("boom")
+
+
+def discrete(y):
+    k = pyro.sample("k", dist.Bernoulli(0.5))
+    with pyro.plate("data", y.shape[-1]):
+        pyro.sample("obs", dist.Normal(k, 1.0), obs=y)
+
+
+args = (torch.tensor([1.2, 0.4, 2.2, 1.0]),)
+max_plate_nesting = 1
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(textwrap.dedent(USER_MODEL))
+    return str(path)
+
+
+def test_default_job_smoke_prints_table(capsys):
     dtype = torch.get_default_dtype()
     assert main(["compare", "--smoke", "--quiet", "--nuts-chains", "1"]) == 0
     out = capsys.readouterr().out
-    assert "eight_schools" in out
-    assert "SMOKE RUN" in out
-    table = out[out.index("method"):]
-    for name in list(METHODS) + ["nuts"]:
+    assert "eight_schools" in out and "SMOKE RUN" in out
+    table = out[out.index("method  "):]
+    for name in DEFAULT_METHODS + ["nuts"]:
         assert any(line.startswith(name + " ") for line in table.splitlines()), name
     assert "NUTS: 1 chain(s) x 20 draws" in out
     assert torch.get_default_dtype() == dtype  # main restores it
@@ -30,18 +84,42 @@ def test_markdown_and_options_without_subcommand(capsys):
     assert "banana" in out
 
 
-def test_smoke_caps_counts():
+def test_user_file_and_report(user_file, tmp_path, capsys):
+    report = tmp_path / "report"
+    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,wsvgd",
+            "--smoke", "--nuts-chains", "2", "--report", str(report), "--seed", "3"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "my_model.py:model: normal mean with a known scale" in captured.out
+    assert "autonormal" in captured.err  # progress on stderr
+    files = set(os.listdir(report))
+    assert {"comparison.json", "table.md", "loo.csv", "losses.png", "pairs_autonormal.png",
+            "pairs_wsvgd.png"} <= files
+    data = json.loads((report / "comparison.json").read_text())
+    assert data["settings"]["seed"] == 3 and data["settings"]["max_plate_nesting"] == 1
+    assert [r["method"] for r in data["rows"]] == ["autonormal", "wsvgd", "nuts"]
+    assert len(data["methods"]["autonormal"]["losses"]) == SMOKE_CAPS["steps"]
+    assert set(data["loo"]) == {"nuts", "autonormal", "wsvgd"}
+    assert data["nuts"]["num_chains"] == 2 and "mu" in data["nuts"]["sites"]
+    # the printed table and the JSON hold the same numbers
+    row = data["rows"][0]
+    assert f"{row['energy_distance']:.3f}" in captured.out
+
+
+def test_parse_defaults_and_smoke_caps():
     args = _parse(["compare", "--smoke", "--steps", "5000", "--nuts-samples", "7"])
     assert args.steps == SMOKE_CAPS["steps"]
     assert args.nuts_samples == 7
     assert args.samples == SMOKE_CAPS["samples"]
-    assert args.methods == list(METHODS)
+    assert args.methods == DEFAULT_METHODS
+    assert _parse(["--methods", "all"]).methods == list(METHODS)
 
 
 def test_no_arguments_is_the_default_job():
     args = _parse([])
-    assert args.model == "eight_schools" and args.methods == list(METHODS)
-    assert args.threads == 1 and not args.smoke
+    assert args.model == "eight_schools" and args.methods == DEFAULT_METHODS
+    assert args.steps == 1000 and args.nuts_chains == 2
+    assert args.threads == 1 and not args.smoke and args.report is None
 
 
 @pytest.mark.parametrize(
@@ -49,11 +127,11 @@ def test_no_arguments_is_the_default_job():
     [
         (["compare", "--methods", "implicit,nope"], "unknown method(s) 'nope'; choose from: "
                                                     + ", ".join(METHODS)),
-        (["compare", "--model", "nope"], "invalid choice: 'nope'"),
+        (["compare", "--model", "nope"], "unknown model 'nope'; choose a built-in model"),
         (["compare", "--steps", "0"], "expected a positive integer"),
     ],
 )
-def test_bad_input_exits_2(argv, message, capsys):
+def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
@@ -61,3 +139,31 @@ def test_bad_input_exits_2(argv, message, capsys):
     assert message in err
     if "--model" in argv:
         assert "eight_schools" in err and "banana" in err
+
+
+@pytest.mark.parametrize(
+    "suffix, message",
+    [
+        (":no_such_model", "defines no 'no_such_model'"),
+        (":args", "is a tuple, not a model"),
+        (":discrete", "NUTS cannot sample discrete site 'k'"),
+        (":broken", "running the model my_model.py:broken failed: RuntimeError: boom"),
+    ],
+)
+def test_bad_user_file_exits_2(user_file, suffix, message, capsys):
+    assert main(["compare", "--smoke", "--quiet", "--model", user_file + suffix]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""  # nothing fitted, no table
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "absent.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_python_dash_m_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "pyro_implicit", "--methods", "bogus"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown method(s) 'bogus'" in proc.stderr and proc.stdout == ""

@@ -6,8 +6,17 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
 
-from pyro_implicit.diagnostics.compare import ComparisonResult, compare, latent_shapes
+from pyro_implicit.datasets import data_dir
+from pyro_implicit.diagnostics.compare import (
+    METHODS,
+    NUM_PARTICLES,
+    ComparisonResult,
+    compare,
+    latent_shapes,
+)
 from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.models import BUILTIN_MODELS, load_model
 
@@ -30,26 +39,41 @@ def nuts(y):
 
 
 def test_compare_structure(y, nuts, capsys):
-    result = compare(normal_normal, y, num_steps=30, num_samples=300, nuts=nuts,
-                     max_plate_nesting=1, progress=True, lr={"implicit": 0.02})
+    names = ["implicit", "autonormal", "automvn", "wsvgd"]
+    result = compare(normal_normal, y, methods=names, num_steps=30, num_samples=300,
+                     nuts=nuts, max_plate_nesting=1, progress=True, lr={"implicit": 0.02})
     assert isinstance(result, ComparisonResult)
     assert result.nuts is nuts
-    assert list(result.methods) == ["implicit", "autonormal", "automvn"]
+    assert list(result.methods) == names
     rows = result.rows()
-    assert [r["method"] for r in rows] == ["implicit", "autonormal", "automvn", "nuts"]
+    assert [r["method"] for r in rows] == names + ["nuts"]
     for row in rows:
         for key, value in row.items():
             if key != "method":
                 assert math.isfinite(value), (row["method"], key)
     for r in result.methods.values():
-        assert r.samples["mu"].shape == (300,)  # Predictive's (S, 1) padding removed
+        # plate padding removed; a particle method gives its particles
+        expected = NUM_PARTICLES if r.kind == "particles" else 300
+        assert r.samples["mu"].shape == (expected,)
         assert len(r.losses) == 30 and r.wall_time > 0
+    assert result.methods["wsvgd"].kind == "particles"
+    assert result.methods["autonormal"].kind == "iid"
     assert result.methods["implicit"].lr == 0.02 and result.methods["automvn"].lr == 0.05
     text = result.table()
     assert text.splitlines()[0].split()[:2] == ["method", "mean"]
     assert "NUTS: 2 chain(s) x 100 draws" in text
     assert result.to_markdown().startswith("| method |")
-    assert "implicit: step 30/30" in capsys.readouterr().err
+    site_lines = result.to_markdown(per_site=True).splitlines()
+    assert site_lines[0].startswith("| method | site | coords |")
+    assert site_lines[2].startswith("| implicit | mu | 1 |")
+    table_rows = [line for line in site_lines if line.startswith("| ")]
+    assert len(table_rows) == 1 + len(names) + 1  # header, methods, nuts
+    err = capsys.readouterr().err
+    assert "implicit: 30 steps, lr 0.02" in err and "wsvgd: 30 steps" in err
+    sites = result.to_dataframe(per_site=True)
+    assert list(sites.index.get_level_values("site").unique()) == ["mu"]
+    assert set(result.nuts_diagnostics()) == {"mu"}
+    assert math.isfinite(sites.loc[("implicit", "mu"), "nuts_r_hat_max"])
 
 
 def test_compare_is_reproducible_per_method(y, nuts):
@@ -61,19 +85,70 @@ def test_compare_is_reproducible_per_method(y, nuts):
                        alone.methods["implicit"].samples["mu"])
 
 
-def test_compare_rejects_unknown_method(y, nuts):
-    with pytest.raises(ValueError, match="unknown method.*'svgd'.*implicit, sivi, autonormal"):
-        compare(normal_normal, y, methods=("svgd",), nuts=nuts)
+def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(normal_normal, max_plate_nesting=1), num_samples=60, warmup_steps=40,
+                disable_progbar=True)
+    mcmc.run(y)
+    guide = AutoNormal(normal_normal)
+    svi = SVI(normal_normal, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(200):
+        svi.step(y)
+    # conjugate posterior N(sum(y) / (n + 1), 1 / (n + 1)) as a dict of draws
+    n = y.shape[0]
+    exact = {"mu": y.sum() / (n + 1) + torch.randn(2000) / math.sqrt(n + 1)}
+    result = compare(normal_normal, y, methods={"fitted": guide, "exact": exact}, nuts=mcmc,
+                     num_samples=500, max_plate_nesting=1, progress=False)
+    assert result.nuts.samples["mu"].shape == (60,)
+    assert result.nuts.samples_by_chain["mu"].shape == (1, 60)
+    assert math.isnan(result.nuts.wall_time)
+    assert result.methods["fitted"].kind == "iid" and not result.methods["fitted"].fitted_here
+    assert result.methods["exact"].kind == "samples"
+    assert result.methods["fitted"].samples["mu"].shape == (500,)
+    assert "passed in already fitted" in result.table()
+    # the exact posterior is within NUTS's Monte Carlo error of it
+    assert result.methods["exact"].metrics["joint"]["mean_error_max"] < 0.5
+
+
+def test_compare_rejects_unknown_method(y):
+    with pytest.raises(ValueError, match="unknown method.*'nope'.*implicit, sivi, livi"):
+        compare(normal_normal, y, methods=("nope",))
+
+
+def _have_data():
+    try:
+        data_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+_EXPECTED_SHAPES = {
+    "eight_schools": {"mu": (), "tau": (), "theta_tilde": (8,)},
+    "banana": {"x1": (), "x2": ()},
+    "waveform_logistic": {"beta": (22,)},
+    # 6 inputs + bias -> 10 hidden, 10 + bias -> 1 output, the noise precision
+    "yacht_bnn": {"layer0": (7, 10), "layer1": (11, 1), "precision": ()},
+}
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_MODELS))
 def test_builtin_models_shapes(name):
+    if name in ("waveform_logistic", "yacht_bnn") and not _have_data():
+        pytest.skip("data folder not available")
     m = load_model(name)
     assert m.name == name
     shapes = latent_shapes(m.model, *m.args, **m.kwargs)
-    if name == "eight_schools":
-        assert shapes == {"mu": (), "tau": (), "theta_tilde": (8,)}
-    else:
-        assert shapes == {"x1": (), "x2": ()}
+    assert shapes == _EXPECTED_SHAPES[name]
     with pytest.raises(KeyError, match="eight_schools, banana"):
         load_model("nope")
+
+
+def test_every_method_runs(y, nuts):
+    result = compare(normal_normal, y, methods=list(METHODS), num_steps=5, num_samples=50,
+                     nuts=nuts, max_plate_nesting=1, progress=False)
+    assert list(result.methods) == list(METHODS)
+    for name, r in result.methods.items():
+        assert len(r.losses) == 5 and all(math.isfinite(v) for v in r.losses), name
+        assert torch.isfinite(r.samples["mu"]).all(), name
+        assert r.description == METHODS[name].description

@@ -1,10 +1,11 @@
-"""One call that fits several variational methods to a Pyro model and scores each against
-NUTS.
+"""One call that fits several posterior approximations to a Pyro model and scores each
+against NUTS.
 
-:func:`compare` fits every named method with Pyro's ``SVI``, draws posterior samples from
-it, runs (or reuses) a NUTS reference and summarises :func:`~pyro_implicit.diagnostics.
-metrics.compare_samples` per method in a :class:`ComparisonResult`, whose :meth:`~
-ComparisonResult.table` is meant to be read by a person::
+:func:`compare` fits every named method (or takes one already fitted), draws posterior
+samples from it, runs NUTS (or reuses a run, or a Pyro ``MCMC`` object) and summarises
+:func:`~pyro_implicit.diagnostics.metrics.compare_samples` per method in a
+:class:`ComparisonResult`, whose :meth:`~ComparisonResult.table` is meant to be read by a
+person::
 
     from pyro_implicit.diagnostics.compare import compare
     from pyro_implicit.models import load_model
@@ -25,12 +26,35 @@ Methods (:data:`METHODS`):
 * ``"sivi"``: :class:`~pyro_implicit.guides.SemiImplicitGuide` trained with
   :class:`~pyro_implicit.elbo.SIVI_ELBO` ``(num_particles=50, num_mixing=100)`` (the SIVI
   paper's settings).
+* ``"livi"``: :class:`~pyro_implicit.guides.LinearizedGuide` trained with
+  :class:`~pyro_implicit.elbo.LIVI_ELBO` ``(bound="det")`` (eq. 15, whole Jacobians: cheap
+  at these sizes).
+* ``"gpvi"``: :class:`~pyro_implicit.guides.ImplicitGuide` with the skip generator
+  ``gpvi_generator()`` trained with :class:`~pyro_implicit.elbo.GPVI_ELBO`
+  ``(num_particles=64, exact_jacobian=True)`` (the paper's "exact Jacobian" variant: cheap
+  at these sizes; with the default helper network and 1000 steps the eight-schools fit
+  was still far too narrow, at learning rates 1e-2 and 1e-3).
+* ``"asvgd"``: :class:`~pyro_implicit.guides.ImplicitGuide` trained with
+  :class:`~pyro_implicit.elbo.AmortizedSVGD_ELBO` ``(num_particles=64)`` (Wang & Liu's
+  amortised SVGD: the SVGD direction pulled back into the generator).
 * ``"autonormal"``, ``"automvn"``: Pyro's ``AutoNormal`` and ``AutoMultivariateNormal``
   with ``Trace_ELBO(num_particles=8, vectorize_particles=True)``.
+* ``"svgd"``: Pyro's own ``pyro.infer.SVGD`` with ``RBFSteinKernel()`` and
+  ``mode="multivariate"`` (Liu & Wang's SVGD; the default "univariate" mode fails on
+  correlated posteriors). Pyro 1.9 packs multi-site particles site-major but reshapes them
+  particle-major in ``step()``, so on a model with several latent sites its kernel mixes
+  coordinates of different particles: the row shows stock Pyro, defect included.
+* ``"wsvgd"``: :class:`~pyro_implicit.particles.WeightSpaceSVGD`, the same algorithm with
+  particle-major packing and an isotropic median-rule RBF kernel.
 
-Every method uses ``ClippedAdam`` with its own initial learning rate, decayed
-geometrically to a tenth of it over the run so the final iterate is not dominated by
-gradient noise.
+SVI methods use ``ClippedAdam`` with their own initial learning rate, particle methods
+Adam-style ``ClippedAdam`` too; every learning rate decays geometrically to a tenth of it
+over the run so the final iterate is not dominated by gradient noise.
+
+Already-fitted approximations can be passed instead of names, as ``methods={"label":
+object}``: any Pyro ``AutoGuide`` (ours included), a ``pyro.infer.SVGD``, a
+:class:`~pyro_implicit.particles.ParticleInference`, or a dict of posterior draws
+``{site: (S, *site_shape)}``. Their row's time covers drawing only.
 """
 
 import dataclasses
@@ -38,55 +62,88 @@ import math
 import sys
 import textwrap
 import time
+from collections.abc import Mapping
 
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+from pyro.infer import SVGD, SVI, RBFSteinKernel, Trace_ELBO
+from pyro.infer.autoguide import AutoGuide, AutoMultivariateNormal, AutoNormal
+from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.util import site_is_subsample
 
-from ..elbo import SIVI_ELBO, KernelRatioELBO
-from ..guides import ImplicitGuide, SemiImplicitGuide
+from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
+from ..elbo.gpvi import gpvi_generator
+from ..guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
+from ..particles import ParticleInference, WeightSpaceSVGD
 from .metrics import compare_samples
-from .nuts import NUTSResult, run_nuts
+from .nuts import NUTSResult, check_continuous_latents, run_nuts
 
-__all__ = ["METHODS", "ComparisonResult", "MethodResult", "compare", "latent_shapes"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "METHODS",
+    "ComparisonResult",
+    "MethodResult",
+    "compare",
+    "guess_max_plate_nesting",
+    "latent_shapes",
+    "nuts_result_from_mcmc",
+    "posterior_draws",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Method:
     description: str
     lr: float
-    build: object  # (model, max_plate_nesting) -> (guide, loss)
+    build: object  # svi: (model, mpn) -> (guide, loss); particles: (model, mpn, optim) -> obj
+    kind: str = "svi"  # "svi" (a guide: iid draws) or "particles" (a fixed set)
+    trace_label: str = "loss (-ELBO estimate)"
 
 
-def _mpn_kwargs(max_plate_nesting):
-    return {} if max_plate_nesting is None else {"max_plate_nesting": max_plate_nesting}
-
-
-def _build_implicit(model, max_plate_nesting):
-    loss = KernelRatioELBO(
-        num_particles=100,
-        regularizer=3e-3,
-        adaptive_contrast="full",
-        **_mpn_kwargs(max_plate_nesting),
-    )
+def _build_implicit(model, mpn):
+    loss = KernelRatioELBO(num_particles=100, regularizer=3e-3, adaptive_contrast="full",
+                           max_plate_nesting=mpn)
     return ImplicitGuide(model), loss
 
 
-def _build_sivi(model, max_plate_nesting):
-    loss = SIVI_ELBO(num_particles=50, num_mixing=100, **_mpn_kwargs(max_plate_nesting))
-    return SemiImplicitGuide(model), loss
+def _build_sivi(model, mpn):
+    return SemiImplicitGuide(model), SIVI_ELBO(num_particles=50, num_mixing=100,
+                                               max_plate_nesting=mpn)
+
+
+def _build_livi(model, mpn):
+    return LinearizedGuide(model), LIVI_ELBO(num_particles=8, bound="det", max_plate_nesting=mpn)
+
+
+def _build_gpvi(model, mpn):
+    loss = GPVI_ELBO(num_particles=64, exact_jacobian=True, max_plate_nesting=mpn)
+    return ImplicitGuide(model, generator=gpvi_generator()), loss
+
+
+def _build_asvgd(model, mpn):
+    return ImplicitGuide(model), AmortizedSVGD_ELBO(num_particles=64, max_plate_nesting=mpn)
 
 
 def _autoguide_builder(cls):
-    def build(model, max_plate_nesting):
-        loss = Trace_ELBO(num_particles=8, vectorize_particles=True,
-                          **_mpn_kwargs(max_plate_nesting))
-        return cls(model), loss
+    def build(model, mpn):
+        return cls(model), Trace_ELBO(num_particles=8, vectorize_particles=True,
+                                      max_plate_nesting=mpn)
 
     return build
+
+
+#: particles of the two SVGD methods
+NUM_PARTICLES = 100
+
+
+def _build_pyro_svgd(model, mpn, optim):
+    return SVGD(model, RBFSteinKernel(), optim, num_particles=NUM_PARTICLES,
+                max_plate_nesting=mpn, mode="multivariate")
+
+
+def _build_wsvgd(model, mpn, optim):
+    return WeightSpaceSVGD(model, optim, num_particles=NUM_PARTICLES, max_plate_nesting=mpn)
 
 
 #: method name -> how it is built; the keys are the valid ``methods`` of :func:`compare`
@@ -102,6 +159,24 @@ METHODS = {
         1e-2,
         _build_sivi,
     ),
+    "livi": _Method(
+        "LinearizedGuide + LIVI_ELBO(num_particles=8, bound='det')",
+        1e-2,
+        _build_livi,
+    ),
+    "gpvi": _Method(
+        "ImplicitGuide(generator=gpvi_generator()) + GPVI_ELBO(num_particles=64, "
+        "exact_jacobian=True)",
+        3e-3,
+        _build_gpvi,
+        trace_label="-(mean log target of the step's draws)",
+    ),
+    "asvgd": _Method(
+        "ImplicitGuide + AmortizedSVGD_ELBO(num_particles=64)",
+        1e-2,
+        _build_asvgd,
+        trace_label="-(mean log target of the step's draws)",
+    ),
     "autonormal": _Method(
         "AutoNormal + Trace_ELBO(num_particles=8, vectorize_particles=True)",
         5e-2,
@@ -112,7 +187,25 @@ METHODS = {
         5e-2,
         _autoguide_builder(AutoMultivariateNormal),
     ),
+    "svgd": _Method(
+        f"pyro.infer.SVGD(RBFSteinKernel(), num_particles={NUM_PARTICLES}, "
+        "mode='multivariate'), stock Pyro 1.9: multi-site particles are mis-packed",
+        5e-2,
+        _build_pyro_svgd,
+        kind="particles",
+        trace_label="Stein force (mean squared particle gradient, summed over sites)",
+    ),
+    "wsvgd": _Method(
+        f"WeightSpaceSVGD(num_particles={NUM_PARTICLES}), particle-major SVGD, RBF median rule",
+        5e-2,
+        _build_wsvgd,
+        kind="particles",
+        trace_label="-(mean log joint of the particles)",
+    ),
 }
+
+#: what :func:`compare` and the command line run when no methods are named
+DEFAULT_METHODS = tuple(METHODS)
 
 #: name of the reference row in tables
 NUTS_ROW = "nuts"
@@ -122,28 +215,44 @@ NUTS_ROW = "nuts"
 class MethodResult:
     """One fitted method.
 
-    :ivar str name: method name (a key of :data:`METHODS`).
-    :ivar dict samples: site name -> ``(num_samples,) + site shape`` posterior draws.
+    :ivar str name: the row label.
+    :ivar dict samples: site name -> ``(num_draws,) + site shape`` posterior draws.
     :ivar dict metrics: :func:`~pyro_implicit.diagnostics.metrics.compare_samples` against
         the NUTS draws.
-    :ivar float wall_time: seconds to fit and sample.
-    :ivar list losses: SVI loss of every step.
-    :ivar float lr: initial learning rate.
+    :ivar float wall_time: seconds to fit and draw (to draw only if passed in fitted).
+    :ivar list losses: one value per step (see ``loss_label``); empty if passed in fitted.
+    :ivar float lr: initial learning rate (``nan`` if passed in fitted).
+    :ivar str description: what the method is.
+    :ivar str kind: ``"iid"`` (independent draws of a guide), ``"particles"`` (one fixed
+        particle set) or ``"samples"`` (draws handed in as a dict).
+    :ivar str loss_label: what ``losses`` holds.
+    :ivar bool fitted_here: ``False`` for an approximation passed in already fitted.
+    :ivar approximation: the fitted guide or particle object (``None`` for a dict).
     """
 
     name: str
-    samples: dict
-    metrics: dict
+    samples: dict = dataclasses.field(repr=False)
+    metrics: dict = dataclasses.field(repr=False)
     wall_time: float
-    losses: list
+    losses: list = dataclasses.field(repr=False)
     lr: float
+    description: str = ""
+    kind: str = "iid"
+    loss_label: str = "loss (-ELBO estimate)"
+    fitted_here: bool = True
+    approximation: object = dataclasses.field(default=None, repr=False)
+
+    @property
+    def num_draws(self):
+        """Number of posterior draws (particles for a particle method)."""
+        return int(next(iter(self.samples.values())).shape[0])
 
 
 @dataclasses.dataclass
 class ComparisonResult:
     """Output of :func:`compare`.
 
-    :ivar dict methods: name -> :class:`MethodResult`, in the order fitted.
+    :ivar dict methods: name -> :class:`MethodResult`, in the order given.
     :ivar NUTSResult nuts: the reference run.
     :ivar dict nuts_metrics: ``compare_samples`` of the first half of the NUTS draws
         against the second half (chain 1 against chain 2 for two chains): the Monte Carlo
@@ -156,6 +265,7 @@ class ComparisonResult:
     nuts_metrics: dict
     settings: dict
 
+    # ------------------------------------------------------------------ rows
     def rows(self):
         """One dict per row (the methods, then NUTS) with the joint summaries.
 
@@ -167,6 +277,37 @@ class ComparisonResult:
         out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time))
         return out
 
+    def site_rows(self):
+        """One dict per (method, site): the per-site summaries of ``compare_samples``, with
+        the NUTS reference's largest R-hat and smallest ESS of that site.
+
+        :return: list of ``{"method", "site", "num_coords", "mean_error_max",
+            "sd_ratio_min", "sd_ratio_median", "sd_ratio_max", "w1_max", "nuts_r_hat_max",
+            "nuts_ess_min"}``; the NUTS rows compare its two halves.
+        :rtype: list[dict]
+        """
+        diag = self.nuts_diagnostics()
+        out = []
+        named = [(n, r.metrics) for n, r in self.methods.items()]
+        for name, metrics in named + [(NUTS_ROW, self.nuts_metrics)]:
+            for site, m in metrics["sites"].items():
+                out.append({"method": name, "site": site, **m,
+                            "nuts_r_hat_max": diag.get(site, {}).get("r_hat_max", math.nan),
+                            "nuts_ess_min": diag.get(site, {}).get("ess_min", math.nan)})
+        return out
+
+    def nuts_diagnostics(self):
+        """Per-site NUTS convergence diagnostics.
+
+        :return: ``{site: {"r_hat_max", "ess_min"}}`` over the site's coordinates.
+        :rtype: dict
+        """
+        return {
+            site: {"r_hat_max": _reduce_max(d["r_hat"]), "ess_min": -_reduce_max(-d["ess"])}
+            for site, d in self.nuts.diagnostics.items()
+        }
+
+    # ------------------------------------------------------------------ text
     def nuts_summary(self):
         """One line on the NUTS reference: chains, draws, R-hat, ESS, divergences."""
         nuts = self.nuts
@@ -180,13 +321,19 @@ class ComparisonResult:
             f"{nuts.num_divergences} divergences, {nuts.wall_time:.1f} s"
         )
 
+    def _key(self):
+        key = _KEY
+        if any(not r.fitted_here for r in self.methods.values()):
+            key += " *: passed in already fitted; seconds cover drawing only."
+        return key
+
     def table(self):
         """The comparison as an aligned plain-text table, with the NUTS summary and a key
         to the columns below it.
 
         :rtype: str
         """
-        cells = [_HEADER] + [_format(row) for row in self.rows()]
+        cells = [_HEADER] + [self._format(row) for row in self.rows()]
         widths = [max(len(r[i]) for r in cells) for i in range(len(_HEADER))]
 
         def line(r):
@@ -196,20 +343,100 @@ class ComparisonResult:
 
         rule = "  ".join("-" * w for w in widths)
         body = [line(cells[0]), rule] + [line(r) for r in cells[1:]]
-        return "\n".join(body + ["", self.nuts_summary()] + textwrap.wrap(_KEY, 100))
+        return "\n".join(body + ["", self.nuts_summary()] + textwrap.wrap(self._key(), 100))
 
-    def to_markdown(self):
+    def to_markdown(self, per_site=False):
         """The comparison as a Markdown table followed by the NUTS summary.
 
+        :param bool per_site: one row per (method, site) with the site's metrics and the
+            NUTS reference's R-hat and ESS for it, instead of one row per method.
         :rtype: str
         """
-        lines = ["| " + " | ".join(_HEADER) + " |",
-                 "|" + "|".join(["---"] + ["---:"] * (len(_HEADER) - 1)) + "|"]
-        lines += ["| " + " | ".join(_format(row)) + " |" for row in self.rows()]
-        return "\n".join(lines + ["", self.nuts_summary(), "", _KEY])
+        if per_site:
+            header, rows = _SITE_HEADER, [_format_site(r) for r in self.site_rows()]
+            key = _SITE_KEY
+        else:
+            header, rows = _HEADER, [self._format(row) for row in self.rows()]
+            key = self._key()
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---"] * (2 if per_site else 1)
+                                + ["---:"] * (len(header) - (2 if per_site else 1))) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+        return "\n".join(lines + ["", self.nuts_summary(), "", key])
 
     def __str__(self):
         return self.table()
+
+    def _format(self, row):
+        cells = _format(row)
+        r = self.methods.get(row["method"])
+        if r is not None and not r.fitted_here:
+            cells = cells[:-1] + (cells[-1] + "*",)
+        return cells
+
+    # ------------------------------------------------------------------ data
+    def to_dataframe(self, per_site=False):
+        """The rows as a ``pandas.DataFrame`` (pandas is installed with ArviZ).
+
+        :param bool per_site: one row per (method, site) (:meth:`site_rows`) instead of
+            one per method (:meth:`rows`).
+        :rtype: pandas.DataFrame
+        :raises ImportError: if pandas is not installed.
+        """
+        try:
+            import pandas as pd
+        except ImportError as e:  # pragma: no cover - pandas comes with arviz
+            raise ImportError("to_dataframe needs pandas: pip install pandas") from e
+        if per_site:
+            return pd.DataFrame(self.site_rows()).set_index(["method", "site"])
+        return pd.DataFrame(self.rows()).set_index("method")
+
+    def to_dict(self):
+        """Every number of the comparison as plain Python types (JSON-serialisable, with
+        ``NaN``/``Infinity`` for non-finite values as Python's ``json`` writes them).
+
+        :return: ``{"settings", "rows", "methods": {name: {"description", "kind",
+            "num_draws", "lr", "wall_time", "fitted_here", "loss_label", "losses",
+            "metrics"}}, "nuts": {...}}``.
+        :rtype: dict
+        """
+        nuts = self.nuts
+        first = next(iter(nuts.samples_by_chain.values()))
+        return {
+            "settings": _plain(self.settings),
+            "rows": self.rows(),
+            "methods": {
+                name: {
+                    "description": r.description,
+                    "kind": r.kind,
+                    "num_draws": r.num_draws,
+                    "lr": r.lr,
+                    "wall_time": r.wall_time,
+                    "fitted_here": r.fitted_here,
+                    "loss_label": r.loss_label,
+                    "losses": [float(x) for x in r.losses],
+                    "metrics": r.metrics,
+                }
+                for name, r in self.methods.items()
+            },
+            "nuts": {
+                "num_chains": int(first.shape[0]),
+                "num_samples": int(first.shape[1]),
+                "wall_time": nuts.wall_time,
+                "max_r_hat": nuts.max_r_hat,
+                "min_ess": nuts.min_ess,
+                "num_divergences": int(nuts.num_divergences),
+                "divergences_by_chain": list(nuts.divergences_by_chain),
+                "acceptance_rate_by_chain": list(nuts.acceptance_rate_by_chain),
+                "seeds": list(nuts.seeds),
+                "sites": {
+                    site: {"r_hat": d["r_hat"].reshape(-1).tolist(),
+                           "ess": d["ess"].reshape(-1).tolist()}
+                    for site, d in nuts.diagnostics.items()
+                },
+                "split_half_metrics": self.nuts_metrics,
+            },
+        }
 
 
 _HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "seconds")
@@ -219,6 +446,47 @@ _KEY = (
     "standardised joint; corr err: largest correlation difference. Row 'nuts': first half "
     "of its draws against the second half (Monte Carlo noise floor)."
 )
+
+
+_SITE_HEADER = ("method", "site", "coords", "mean err", "sd ratio", "W1 max", "NUTS r_hat",
+                "NUTS ESS")
+_SITE_KEY = (
+    "Per site: mean err, sd ratio (min-max) and W1 max over the site's coordinates, in NUTS "
+    "sds; NUTS r_hat: largest split R-hat of the site's coordinates, NUTS ESS: smallest "
+    "effective sample size. Rows 'nuts': first half of its draws against the second half."
+)
+
+
+def _format_site(row):
+    def f(x, digits=2):
+        return f"{x:.{digits}f}" if math.isfinite(x) else str(x)
+
+    return (
+        row["method"],
+        row["site"],
+        str(row["num_coords"]),
+        f(row["mean_error_max"]),
+        f"{f(row['sd_ratio_min'])}-{f(row['sd_ratio_max'])}",
+        f(row["w1_max"]),
+        f(row["nuts_r_hat_max"], 3),
+        f(row["nuts_ess_min"], 0),
+    )
+
+
+def _reduce_max(t):
+    t = torch.as_tensor(t).reshape(-1)
+    return float(t.max()) if t.numel() else math.nan
+
+
+def _plain(x):
+    """Settings as JSON-able plain types."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    return repr(x)
 
 
 def _row(name, metrics, seconds):
@@ -250,14 +518,23 @@ def _format(row):
     )
 
 
+# ---------------------------------------------------------------------------------------
+# model inspection and posterior draws
+# ---------------------------------------------------------------------------------------
+
+
+def _prior_trace(model, args, kwargs):
+    with poutine.block():
+        return poutine.trace(model).get_trace(*args, **kwargs)
+
+
 def latent_shapes(model, *args, **kwargs):
     """Shapes of the model's latent sample sites from one plain (prior) run.
 
     :return: ``{name: torch.Size}`` in execution order.
     :rtype: dict
     """
-    with poutine.block():
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
+    trace = _prior_trace(model, args, kwargs)
     return {
         name: site["value"].shape
         for name, site in trace.nodes.items()
@@ -265,19 +542,142 @@ def latent_shapes(model, *args, **kwargs):
     }
 
 
-def _posterior_samples(model, guide, args, kwargs, num_samples, shapes):
-    if isinstance(guide, ImplicitGuide):
-        draws = guide.sample_posterior(num_samples)
-    else:
-        # The fits above already need a vectorisation-safe model, so Predictive may draw
-        # all samples in one vectorised call (parallel=False takes seconds per method).
-        predictive = Predictive(model, guide=guide, num_samples=num_samples,
-                                return_sites=list(shapes), parallel=True)
-        with torch.no_grad():
-            draws = predictive(*args, **kwargs)
-    # Predictive pads sites outside the model's plates to (S, 1, ...): drop the padding.
-    return {name: draws[name].detach().reshape((num_samples,) + tuple(shape))
-            for name, shape in shapes.items()}
+def guess_max_plate_nesting(model, *args, **kwargs):
+    """The model's plate nesting from one prior run: the deepest vectorised plate dim.
+
+    :rtype: int
+    """
+    trace = _prior_trace(model, args, kwargs)
+    dims = [
+        -frame.dim
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        for frame in site["cond_indep_stack"]
+        if frame.vectorized
+    ]
+    return max(dims, default=0)
+
+
+def _detached(draws, shapes):
+    """``{site: (S,) + shape}`` detached copies, dropping plate padding such as the
+    ``(N, 1, ...)`` of ``pyro.infer.SVGD.get_named_particles``."""
+    out = {}
+    for name, shape in shapes.items():
+        value = torch.as_tensor(draws[name]).detach()
+        num = value.shape[0]
+        if value.numel() != num * math.prod(shape):
+            raise ValueError(
+                f"draws of site '{name}' have shape {tuple(value.shape)}, which is not "
+                f"(num_draws, *{tuple(shape)})"
+            )
+        out[name] = value.reshape((num,) + tuple(shape)).clone()
+    return out
+
+
+def _guide_draws(guide, args, kwargs, num_samples, shapes, max_plate_nesting):
+    """Draws of an ordinary Pyro guide, all at once under an outer plate.
+
+    Pyro's ``Predictive(guide=...)`` is avoided: for a global site with event dims it hands
+    the model ``(S, D)`` draws where ``(S, 1, D)`` is needed (pyro issue 2122).
+    """
+    plate = pyro.plate("_posterior_draws", num_samples, dim=-max_plate_nesting - 1)
+    # mask(False) tells guides that no density is needed (Pyro's Predictive does the same).
+    with torch.no_grad(), poutine.block(), plate, poutine.mask(mask=False):
+        trace = poutine.trace(guide).get_trace(*args, **kwargs)
+    try:
+        return _detached({n: trace.nodes[n]["value"] for n in shapes}, shapes)
+    except ValueError:
+        pass
+    # a guide that does not broadcast over outer plates: one draw at a time
+    draws = {n: [] for n in shapes}
+    with torch.no_grad(), poutine.block(), poutine.mask(mask=False):
+        for _ in range(num_samples):
+            trace = poutine.trace(guide).get_trace(*args, **kwargs)
+            for n in shapes:
+                draws[n].append(trace.nodes[n]["value"].reshape(shapes[n]))
+    return {n: torch.stack(v) for n, v in draws.items()}
+
+
+def _source_kind(source):
+    if isinstance(source, (SVGD, ParticleInference)):
+        return "particles"
+    if isinstance(source, Mapping):
+        return "samples"
+    if isinstance(source, AutoGuide) or hasattr(source, "sample_posterior") or callable(source):
+        return "iid"
+    raise TypeError(
+        f"cannot draw from {type(source).__name__}: pass a method name, a Pyro guide, a "
+        "pyro.infer.SVGD, a pyro_implicit ParticleInference or a dict of draws"
+    )
+
+
+def posterior_draws(source, model, args=(), kwargs=None, num_samples=1000,
+                    max_plate_nesting=None, shapes=None):
+    """Posterior draws of the model's latent sites from a fitted approximation.
+
+    :param source: a Pyro guide (``ImplicitAutoGuide`` subclasses draw through
+        ``sample_posterior``, other guides in one vectorised run), a ``pyro.infer.SVGD``
+        or :class:`~pyro_implicit.particles.ParticleInference` (all particles), or a dict
+        of draws (checked and returned).
+    :param callable model: the Pyro model.
+    :param tuple args: its positional arguments.
+    :param dict kwargs: its keyword arguments.
+    :param int num_samples: draws from a guide (particle sets have their own size).
+    :param int max_plate_nesting: the model's plate nesting (guessed if ``None``).
+    :param dict shapes: :func:`latent_shapes` of the model, if already known.
+    :return: ``(draws, kind)``: ``{site: (S,) + site shape}`` detached, and ``"iid"``,
+        ``"particles"`` or ``"samples"``.
+    :rtype: tuple
+    """
+    kwargs = kwargs or {}
+    if shapes is None:
+        shapes = latent_shapes(model, *args, **kwargs)
+    kind = _source_kind(source)
+    if kind == "samples":
+        missing = [n for n in shapes if n not in source]
+        if missing:
+            raise ValueError(f"the draws lack the latent sites {missing}")
+        return _detached(source, shapes), kind
+    if kind == "particles":
+        return _detached(source.get_named_particles(), shapes), kind
+    if isinstance(source, ImplicitAutoGuide) or hasattr(source, "sample_posterior"):
+        return _detached(source.sample_posterior(num_samples), shapes), kind
+    if max_plate_nesting is None:
+        max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
+    return _guide_draws(source, args, kwargs, num_samples, shapes, max_plate_nesting), kind
+
+
+def nuts_result_from_mcmc(mcmc):
+    """A :class:`~pyro_implicit.diagnostics.nuts.NUTSResult` from a finished Pyro ``MCMC``
+    run (its wall time is unknown: ``nan``).
+
+    :param pyro.infer.MCMC mcmc: after ``run``.
+    :rtype: NUTSResult
+    """
+    by_chain = {k: v.detach() for k, v in mcmc.get_samples(group_by_chain=True).items()}
+    diag = mcmc.diagnostics()
+    div = diag.get("divergences", {})
+    acc = diag.get("acceptance rate", {})
+    chains = next(iter(by_chain.values())).shape[0]
+    divergences = [len(div.get(f"chain {c}", [])) for c in range(chains)]
+    return NUTSResult(
+        samples={k: v.reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()},
+        samples_by_chain=by_chain,
+        diagnostics={
+            k: {"r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
+                "ess": effective_sample_size(v, chain_dim=0, sample_dim=1)}
+            for k, v in by_chain.items()
+        },
+        num_divergences=sum(divergences),
+        wall_time=math.nan,
+        divergences_by_chain=divergences,
+        acceptance_rate_by_chain=[float(acc.get(f"chain {c}", math.nan)) for c in range(chains)],
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# fitting
+# ---------------------------------------------------------------------------------------
 
 
 def _say(progress, message):
@@ -285,26 +685,68 @@ def _say(progress, message):
         print(message, file=sys.stderr, flush=True)
 
 
-def _fit(name, model, args, kwargs, num_steps, lr, max_plate_nesting, progress):
-    guide, loss = METHODS[name].build(model, max_plate_nesting)
+def _steps(name, num_steps, progress):
+    if not progress:
+        return range(num_steps)
+    from tqdm.auto import tqdm
+
+    return tqdm(range(num_steps), desc=f"  {name}", file=sys.stderr, leave=False,
+                mininterval=0.5, dynamic_ncols=True)
+
+
+def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress):
+    """Fit method ``name``; returns ``(approximation, trace)``."""
+    method = METHODS[name]
     # Decay to lr / 10 over the run: large early steps, a quiet final iterate.
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1.0 / max(num_steps, 1))})
-    svi = SVI(model, guide, optim, loss)
-    losses = []
-    report = {max(1, round(num_steps * k / 4)) for k in (1, 2, 3, 4)}
-    for step in range(1, num_steps + 1):
-        losses.append(float(svi.step(*args, **kwargs)))
-        if step in report:
-            window = losses[-max(1, num_steps // 10):]
-            _say(progress, f"  {name}: step {step}/{num_steps}, "
-                           f"loss {sum(window) / len(window):.4g}")
-    return guide, losses
+    if method.kind == "particles":
+        fitted = method.build(model, mpn, optim)
+        step = fitted.step
+    else:
+        fitted, loss = method.build(model, mpn)
+        step = SVI(model, fitted, optim, loss).step
+    trace = []
+    bar = _steps(name, num_steps, progress)
+    for i in bar:
+        out = step(*args, **kwargs)
+        if isinstance(out, dict):
+            # SVGD reports diagnostics, not a loss
+            out = -out["log_joint"] if "log_joint" in out else sum(out.values())
+        trace.append(float(out))
+        if progress and (i % 25 == 0 or i == num_steps - 1):
+            bar.set_postfix_str(f"{trace[-1]:.4g}", refresh=False)
+    return fitted, trace
+
+
+def _resolve(methods):
+    """``{label: spec}`` from a sequence of names or a mapping of labels to names/objects."""
+    if isinstance(methods, str):
+        methods = [methods]
+    if isinstance(methods, Mapping):
+        specs = dict(methods)
+    else:
+        methods = list(methods)
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"methods must be distinct, got {methods}")
+        specs = {m: m for m in methods}
+    if not specs:
+        raise ValueError("no methods given")
+    unknown = [s for s in specs.values() if isinstance(s, str) and s not in METHODS]
+    if unknown:
+        raise ValueError(
+            f"unknown method(s) {', '.join(map(repr, unknown))}; choose from: "
+            f"{', '.join(METHODS)}"
+        )
+    for spec in specs.values():
+        if not isinstance(spec, str):
+            _source_kind(spec)  # raises a TypeError naming what is accepted
+    return specs
 
 
 def compare(
     model,
     *args,
-    methods=("implicit", "autonormal", "automvn"),
+    methods=DEFAULT_METHODS,
     num_steps=1000,
     num_samples=2000,
     nuts=None,
@@ -315,87 +757,121 @@ def compare(
     lr=None,
     **kwargs,
 ):
-    """Fit each method to ``model`` and compare its posterior with NUTS.
+    """Fit each method to ``model`` (or take it fitted) and compare its posterior with NUTS.
 
     Every method is fitted from ``pyro.set_rng_seed(seed)`` on an empty parameter store,
     so its result does not depend on which other methods run. Wall times include the
-    posterior sampling. The model must be vectorisation-safe (all methods draw their
-    particles under a plate).
+    posterior draws. The model must be vectorisation-safe (all methods draw their
+    particles under a plate) and have continuous latent sites only.
 
-    :param callable model: a Pyro model with continuous latent sites.
+    :param callable model: a Pyro model.
     :param args: positional arguments of ``model``.
-    :param methods: names from :data:`METHODS`.
-    :param int num_steps: SVI steps per method.
-    :param int num_samples: posterior draws per method.
-    :param NUTSResult nuts: a reference run to reuse; ``None`` runs
+    :param methods: names from :data:`METHODS`, or a dict ``label -> name or fitted
+        approximation`` (a Pyro guide, a ``pyro.infer.SVGD``, a
+        :class:`~pyro_implicit.particles.ParticleInference`, or a dict of draws
+        ``{site: (S, *shape)}``).
+    :param int num_steps: optimisation steps per method.
+    :param int num_samples: posterior draws per guide (particle methods give their
+        particles).
+    :param nuts: a reference to reuse: a :class:`~pyro_implicit.diagnostics.nuts.NUTSResult`
+        or a finished ``pyro.infer.MCMC``; ``None`` runs
         :func:`~pyro_implicit.diagnostics.nuts.run_nuts`.
     :param dict nuts_kwargs: keyword arguments of ``run_nuts`` (default
         ``num_samples=500, warmup_steps=300, num_chains=2``).
     :param int seed: seed of every fit and of NUTS.
     :param int max_plate_nesting: the model's plate nesting (guessed if ``None``).
-    :param bool progress: report progress on stderr.
+    :param bool progress: progress on stderr (tqdm bars, one line per finished method).
     :param lr: initial learning rate: a float for every method, a dict name -> float, or
         ``None`` for each method's default (:data:`METHODS`).
     :param kwargs: keyword arguments of ``model``.
     :rtype: ComparisonResult
-    :raises ValueError: for an unknown method name or a bad count.
+    :raises ValueError: for an unknown method name, a bad count, or a model with a
+        discrete latent site (the message is NUTS's).
     """
-    methods = list(methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(
-            f"unknown method(s) {', '.join(map(repr, unknown))}; choose from: "
-            f"{', '.join(METHODS)}"
-        )
-    if len(set(methods)) != len(methods):
-        raise ValueError(f"methods must be distinct, got {methods}")
+    specs = _resolve(methods)
     if num_steps < 1 or num_samples < 2:
         raise ValueError(f"need num_steps >= 1 and num_samples >= 2, got {num_steps}, "
                          f"{num_samples}")
-    lrs = {m: METHODS[m].lr for m in methods}
+    lrs = {label: METHODS[s].lr for label, s in specs.items() if isinstance(s, str)}
     if isinstance(lr, dict):
         lrs.update({m: float(v) for m, v in lr.items() if m in lrs})
     elif lr is not None:
-        lrs = dict.fromkeys(methods, float(lr))
+        lrs = dict.fromkeys(lrs, float(lr))
     run_kwargs = {"num_samples": 500, "warmup_steps": 300, "num_chains": 2}
     run_kwargs.update(nuts_kwargs or {})
 
     pyro.set_rng_seed(seed)
+    check_continuous_latents(model, *args, **kwargs)
     shapes = latent_shapes(model, *args, **kwargs)
-    ran_nuts = nuts is None
-    if ran_nuts:
+    if max_plate_nesting is None:
+        max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
+    mpn = max_plate_nesting
+
+    # Draw from fitted objects first: clearing the param store for the fits below would
+    # wipe pyro.infer.SVGD's global "svgd_particles".
+    results = {}
+    for label, spec in specs.items():
+        if isinstance(spec, str):
+            continue
+        start = time.perf_counter()
+        samples, kind = posterior_draws(spec, model, args, kwargs, num_samples, mpn, shapes)
+        results[label] = MethodResult(
+            label, samples, None, time.perf_counter() - start, [], math.nan,
+            description=f"{type(spec).__name__} passed in fitted", kind=kind,
+            loss_label="", fitted_here=False,
+            approximation=None if kind == "samples" else spec,
+        )
+
+    if nuts is None:
+        ran_nuts = True
         _say(progress, f"NUTS: {run_kwargs['num_chains']} chain(s) x "
                        f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup")
-        nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=max_plate_nesting,
-                        progress_bar=False, **run_kwargs, **kwargs)
+        nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=mpn,
+                        progress_bar=progress, **run_kwargs, **kwargs)
         _say(progress, f"  done in {nuts.wall_time:.1f} s")
+    else:
+        ran_nuts = False
+        if not isinstance(nuts, NUTSResult):
+            nuts = nuts_result_from_mcmc(nuts)
+    sites = [s for s in shapes if s in nuts.samples]
 
-    results = {}
-    for name in methods:
-        _say(progress, f"{name}: {num_steps} steps, lr {lrs[name]:g}")
+    for label, spec in specs.items():
+        if not isinstance(spec, str):
+            continue
+        method = METHODS[spec]
+        _say(progress, f"{label}: {num_steps} steps, lr {lrs[label]:g}")
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
         start = time.perf_counter()
-        guide, losses = _fit(name, model, args, kwargs, num_steps, lrs[name],
-                             max_plate_nesting, progress)
-        samples = _posterior_samples(model, guide, args, kwargs, num_samples, shapes)
+        fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn, progress)
+        samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn, shapes)
         wall = time.perf_counter() - start
-        metrics = compare_samples(samples, nuts.samples, sites=[s for s in shapes
-                                                                if s in nuts.samples])
-        results[name] = MethodResult(name, samples, metrics, wall, losses, lrs[name])
-        _say(progress, f"  done in {wall:.1f} s")
+        results[label] = MethodResult(
+            label, samples, None, wall, trace, lrs[label], description=method.description,
+            kind=kind, loss_label=method.trace_label, approximation=fitted,
+        )
+        window = trace[-max(1, num_steps // 10):]
+        _say(progress, f"  done in {wall:.1f} s; last {len(window)} steps' mean "
+                       f"{method.trace_label.split(' (')[0]}: {sum(window) / len(window):.4g}")
     pyro.clear_param_store()
 
+    ordered = {}
+    for label in specs:
+        r = results[label]
+        r.metrics = compare_samples(r.samples, nuts.samples, sites=sites)
+        ordered[label] = r
+
     settings = {
-        "methods": methods,
+        "methods": {label: s if isinstance(s, str) else type(s).__name__
+                    for label, s in specs.items()},
         "num_steps": num_steps,
         "num_samples": num_samples,
         "nuts_kwargs": run_kwargs if ran_nuts else {},
         "seed": seed,
-        "max_plate_nesting": max_plate_nesting,
+        "max_plate_nesting": mpn,
         "lr": lrs,
     }
-    return ComparisonResult(results, nuts, _split_metrics(nuts), settings)
+    return ComparisonResult(ordered, nuts, _split_metrics(nuts), settings)
 
 
 def _split_metrics(nuts):

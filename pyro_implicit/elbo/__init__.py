@@ -1,11 +1,14 @@
 """Losses (Pyro ``ELBO`` subclasses) that estimate what an implicit guide cannot evaluate."""
 
 from .base import ImplicitELBO, VectorizationError, check_vectorized_log_joint
+from .gpvi import GPVI_ELBO, AmortizedSVGD_ELBO
 from .kernel_ratio import KernelRatioELBO, kernel_kl, kernel_log_ratio
 from .livi import LIVI_ELBO, jacobian, linearized_entropy, smallest_singular_value
 from .sivi import SIVI_ELBO, linear_schedule
 
 __all__ = [
+    "AmortizedSVGD_ELBO",
+    "GPVI_ELBO",
     "ImplicitELBO",
     "KernelRatioELBO",
     "LIVI_ELBO",

@@ -1,0 +1,698 @@
+r"""Generative particle VI (GPVI) and amortised SVGD: a generator trained by a functional
+gradient of :math:`\mathrm{KL}(q \,\|\, p)`.
+
+Ratzlaff, Bai, Fuxin & Xu (2021), *Generative Particle Variational Inference via Estimation
+of Functional Gradients*. The guide is a sampler :math:`u = f_\theta(z)`,
+:math:`z \sim \mathcal N(0, I_D)`, whose density q is never evaluated. GPVI takes the
+gradient of :math:`J(f) = \mathrm{KL}(q \| p)` with respect to the *function* f in an RKHS
+over the noise space (Theorem 3.1, eq. 5),
+
+.. math::
+    \nabla_f J(f)(z) = \mathbb E_{z'}\big[-\nabla_u \log p(u)\big|_{u=f(z')}\, k(z', z)
+        - J_f(z')^{-\top} \nabla_{z'} k(z', z)\big],
+
+and pulls it back to the parameters by the chain rule (eq. 4),
+:math:`\nabla_\theta J = \mathbb E_z[(\partial f(z)/\partial\theta)^\top \nabla_f J(f)(z)]`.
+The repulsive term needs :math:`J_f(z')^{-\top} v` for every pair of the two batches. A
+*helper network* :math:`h_\eta(z'^{(:k)}, v)` estimates it (eq. 9) and is trained online by
+one least-squares step per generator step (eqs. 10-11); ``exact_jacobian=True`` forms
+:math:`J_f` and solves instead (the paper's "GPVI Exact Jac", App. D.1).
+
+**Transpose.** Eqs. (5), (8) and (10) print :math:`J_f^{-1} v` and :math:`J_f h`, but the
+proof (App. A.1, index form) and eq. (11) give :math:`J_f^{-\top} v` and the residual
+:math:`J_f^\top h - v`; that is what is implemented. The two differ whenever
+:math:`J_f` is not symmetric, and only the transpose has the target as a fixed point.
+
+The Jacobian must be square and invertible, so the generator is
+:math:`f(z) = g(z^{(:k)}) + \lambda z` (eq. 6): :class:`SkipGenerator`, built for a guide by
+``ImplicitGuide(model, generator=gpvi_generator())``. Any generator with as many noise
+inputs as latent outputs and an invertible Jacobian also works (e.g. the paper's linear
+toy generators, or the default ``ImplicitGuide`` MLP for 2 <= D <= 64).
+
+:class:`AmortizedSVGD_ELBO` is the paper's main baseline (Wang & Liu 2016; eq. 14): the
+same surrogate with the SVGD direction computed on the *outputs* u instead.
+
+Both are losses for Pyro's :class:`~pyro.infer.SVI`; the surrogate's gradient equals the
+pulled-back direction, so any Pyro or torch optimiser trains the generator. The helper is
+a plain ``nn.Module`` with its own torch optimiser held by the loss, not a Pyro param (so
+``SVI`` cannot step it with the generator's gradient); :meth:`GPVI_ELBO.state_dict` saves
+it.
+
+References
+
+[1] `Generative Particle Variational Inference via Estimation of Functional Gradients`,
+    Roman Ratzlaff, Qinxun Bai, Li Fuxin, Wei Xu, ICML 2021 (arXiv:2103.01291).
+[2] `Learning to Draw Samples: With Application to Amortized MLE for Generative
+    Adversarial Learning`, Dilin Wang, Qiang Liu, 2016 (amortised SVGD).
+"""
+
+import torch
+from torch import nn
+
+from ..guides.base import ImplicitAutoGuide, default_noise_dim, implicit_site_info
+from ..guides.implicit import ImplicitGuide, _default_hidden
+from ..guides.networks import MLPGenerator
+from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
+from .base import ImplicitELBO, packed_particles, particle_sum
+from .livi import jacobian
+
+__all__ = [
+    "AmortizedSVGD_ELBO",
+    "GPVI_ELBO",
+    "InverseJacobianNetwork",
+    "SkipGenerator",
+    "exact_inverse_jvp",
+    "gpvi_generator",
+    "helper_residual",
+]
+
+#: largest latent size for which the generator's Jacobian is checked for invertibility once
+_PROBE_MAX_DIM = 256
+#: relative smallest singular value below which a Jacobian counts as singular
+_SINGULAR_RTOL = 1e-10
+
+
+# ---------------------------------------------------------------------------------- generator
+class SkipGenerator(nn.Module):
+    r"""GPVI's generator :math:`f(z) = g(z^{(:k)}) + \lambda z` (Ratzlaff et al. 2021, eq. 6).
+
+    ``g`` is an MLP reading only the first k noise coordinates, so it stays slim when the
+    latent size D is large, while the skip term keeps the Jacobian square,
+
+    .. math:: J_f(z) = \big[\,\partial g / \partial z^{(:k)} \;\big|\; 0_{D \times (D-k)}\big]
+        + \lambda I_D \qquad \text{(eq. 7)},
+
+    and invertible for a large enough :math:`\lambda` (the paper uses :math:`\lambda = 1`
+    throughout; nothing enforces invertibility during training).
+
+    With k < D, conditionally on :math:`z^{(:k)}` the last D - k outputs are
+    :math:`\mathcal N(g_{k:}(z^{(:k)}), \lambda^2 I)`: a noise floor of variance
+    :math:`\lambda^2` that a fixed :math:`\lambda` cannot remove (choose ``skip_scale``
+    below the posterior's scale for narrow posteriors, e.g. BNN weights). With k = D and a
+    linear g (``hidden_dims=()``), :math:`f(z) = (W + \lambda I) z + b` spans every Gaussian.
+
+    :param int dim: D, the size of both the noise and the output.
+    :param int active_dim: k, the noise coordinates g reads (default D up to 64, then
+        64-128, the library's noise-size rule).
+    :param tuple hidden_dims: hidden widths of g (default two layers, as ``ImplicitGuide``).
+    :param str activation: hidden activation of g (ReLU in the paper).
+    :param float skip_scale: :math:`\lambda` (paper: 1.0); 0 is allowed only when k = D.
+    """
+
+    def __init__(self, dim, active_dim=None, hidden_dims=None, activation="relu", skip_scale=1.0):
+        super().__init__()
+        dim = int(dim)
+        k = int(active_dim) if active_dim is not None else min(dim, default_noise_dim(dim))
+        if not 1 <= k <= dim:
+            raise ValueError(f"active_dim must lie in [1, {dim}], got {k}")
+        if skip_scale < 0 or (skip_scale == 0 and k < dim):
+            raise ValueError(
+                "skip_scale (lambda) must be positive when active_dim < dim: without the "
+                f"lambda z term the Jacobian has rank at most {k} < {dim}"
+            )
+        self.noise_dim = self.out_dim = dim
+        self.active_dim = k
+        self.skip_scale = float(skip_scale)
+        hidden = _default_hidden(k, dim) if hidden_dims is None else tuple(hidden_dims)
+        self.net = MLPGenerator(k, dim, hidden, activation)
+
+    def forward(self, noise):
+        return self.net(noise[..., : self.active_dim]) + self.skip_scale * noise
+
+    def init_output(self, loc, scale):
+        """Centre the output at ``loc``; g's own spread is ``scale`` (the skip term adds
+        spread :math:`\\lambda` per coordinate on top)."""
+        self.net.init_output(loc, scale)
+
+
+def gpvi_generator(active_dim=None, hidden_dims=None, activation="relu", skip_scale=1.0):
+    """The ``generator=`` argument of :class:`~pyro_implicit.guides.ImplicitGuide` that
+    builds a :class:`SkipGenerator` over the whole latent (GPVI's eq. 6); the noise size is
+    then always D::
+
+        guide = ImplicitGuide(model, generator=gpvi_generator())
+
+    See :class:`SkipGenerator` for the arguments.
+    """
+
+    def build(noise_dim, latent_dim):
+        return SkipGenerator(latent_dim, active_dim, hidden_dims, activation, skip_scale)
+
+    return build
+
+
+# ------------------------------------------------------------------------------- the helper
+class InverseJacobianNetwork(nn.Module):
+    r"""GPVI's helper network :math:`h_\eta(z'^{(:k)}, v) \approx J_f(z')^{-\top} v`
+    (Sec. 3.3, eq. 9; architecture of App. B.1).
+
+    One fully connected ReLU layer on each input (the k leading noise coordinates, on which
+    the Jacobian of eq. 7 depends, and the D-vector v); the two branches are concatenated
+    and passed through ``num_layers`` ReLU layers of width 2H and a linear output of size D.
+    No batch norm, no weight decay (App. B.1: they hurt, the target being an exact
+    solution).
+
+    :param int active_dim: k.
+    :param int dim: D.
+    :param int hidden_dim: H, the width of each branch.
+    :param int num_layers: hidden layers after the concatenation (paper: 3).
+    """
+
+    def __init__(self, active_dim, dim, hidden_dim, num_layers=3):
+        super().__init__()
+        self.active_dim, self.dim = int(active_dim), int(dim)
+        self.noise_branch = nn.Sequential(nn.Linear(self.active_dim, hidden_dim), nn.ReLU())
+        self.vector_branch = nn.Sequential(nn.Linear(self.dim, hidden_dim), nn.ReLU())
+        layers, width = [], 2 * hidden_dim
+        for _ in range(num_layers):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.trunk = nn.Sequential(*layers, nn.Linear(width, self.dim))
+
+    def forward(self, noise_head, vector):
+        joint = torch.cat([self.noise_branch(noise_head), self.vector_branch(vector)], dim=-1)
+        return self.trunk(joint)
+
+
+def _pairs(z, v):
+    """Repeat each row of ``z`` ``(A, D)`` for the ``B`` vectors of ``v`` ``(A, B, D)``."""
+    a, b, d = v.shape
+    return z.detach().unsqueeze(1).expand(a, b, z.shape[-1]).reshape(a * b, -1), v.reshape(-1, d)
+
+
+def helper_residual(helper, generator, z, v):
+    r"""The residual :math:`J_f(z_a)^\top h_\eta(z_a^{(:k)}, v_{ab}) - v_{ab}` of the helper's
+    least-squares loss (eqs. 10-11), whose minimiser is :math:`h = J_f^{-\top} v`.
+
+    :math:`J_f^\top h` is one vector-Jacobian product through the generator (eq. 11; for a
+    :class:`SkipGenerator` autograd gives exactly :math:`\mathrm{pad}(J_g^\top h) + \lambda
+    h`), kept differentiable in h (``create_graph``) so the loss can be differentiated with
+    respect to :math:`\eta`. Differentiate only with respect to the helper's parameters
+    (``torch.autograd.grad``): the graph also runs through the generator's parameters.
+
+    :param helper: an :class:`InverseJacobianNetwork`.
+    :param generator: ``(..., D) -> (..., D)``, row-wise.
+    :param torch.Tensor z: ``(A, D)`` noise points z'.
+    :param torch.Tensor v: ``(A, B, D)`` vectors, B per noise point.
+    :return: ``(A, B, D)`` residuals.
+    """
+    k = getattr(generator, "active_dim", z.shape[-1])
+    rows, vectors = _pairs(z, v)
+    with torch.enable_grad():
+        rows = rows.requires_grad_()
+        y = helper(rows.detach()[:, :k], vectors.detach())
+        (jty,) = torch.autograd.grad(generator(rows), rows, grad_outputs=y, create_graph=True)
+    return (jty - vectors.detach()).reshape(v.shape)
+
+
+def exact_inverse_jvp(generator, z, v):
+    r""":math:`J_f(z_a)^{-\top} v_{ab}` by forming the Jacobian and solving (GPVI "Exact
+    Jac", App. D.1), with one LU factorisation per noise point. Not differentiable.
+
+    :param generator: ``(..., D) -> (..., D)``, row-wise.
+    :param torch.Tensor z: ``(A, D)``.
+    :param torch.Tensor v: ``(A, B, D)``.
+    :return: ``(A, B, D)``.
+    """
+    with torch.no_grad():
+        jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
+        try:
+            solved = torch.linalg.solve(jac.mT, v.detach().mT)  # (A, D, B)
+        except torch.linalg.LinAlgError as e:
+            raise ValueError(
+                "the generator's Jacobian is singular at a noise point, so J^{-T} v does not "
+                "exist; GPVI needs an invertible generator: use ImplicitGuide(model, "
+                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)"
+            ) from e
+    return solved.mT
+
+
+# ------------------------------------------------------------------------------ the losses
+class _FunctionalGradientELBO(ImplicitELBO):
+    """Shared machinery: one vectorised trace of N particles u' = f(z') scored under the
+    model, a direction G for N generator outputs u = f(z), and the surrogate
+    mean_b <stopgrad(G_b), u_b> whose gradient is the pulled-back direction (eq. 4)."""
+
+    def __init__(
+        self,
+        num_particles=64,
+        kernel=None,
+        independent_batches=True,
+        max_plate_nesting=float("inf"),
+        check_vectorization=True,
+        retain_graph=None,
+    ):
+        super().__init__(num_particles, max_plate_nesting, check_vectorization, retain_graph)
+        self.kernel = (
+            RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
+            if kernel is None
+            else kernel
+        )
+        self.independent_batches = bool(independent_batches)
+
+    # -------------------------------------------------------------- guide checks
+    def _check_packed_guide(self, guide, model_trace):
+        raise NotImplementedError
+
+    def _implicit_site(self, model_trace, guide_trace):
+        sites = [
+            s
+            for s in guide_trace.nodes.values()
+            if s["type"] == "sample" and implicit_site_info(s) is not None
+        ]
+        if len(sites) != 1:
+            raise TypeError(
+                f"{type(self).__name__} trains one implicit guide over all latent sites; the "
+                f"guide has {len(sites)} implicit latent sites. {self._pairing_hint()}"
+            )
+        site = sites[0]
+        guide = implicit_site_info(site)["guide"]
+        self._check_packed_guide(guide, model_trace)
+        latents = {s["name"] for s in self.latent_sites(model_trace)}
+        packed = set(guide._unconstrained_shapes)
+        if latents != packed:
+            raise TypeError(
+                f"{type(self).__name__} needs one implicit guide covering every latent site "
+                f"(a functional gradient of the joint KL): the model has {sorted(latents)} but "
+                f"{type(guide).__name__} covers {sorted(packed)}. Do not mix it with other "
+                "guides in an AutoGuideList."
+            )
+        return site, guide
+
+    # -------------------------------------------------------------- score batch
+    def _log_target(self, model_trace, guide_trace):
+        r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /
+        \partial u|`: every model site (with plate scaling), minus the guide's ``biject_to``
+        Delta sites, whose log-density is :math:`-\log|\det \partial T/\partial u|`."""
+        n, mpn = self.num_particles, self.max_plate_nesting
+        log_joint = sum(
+            particle_sum(s["log_prob"], n, mpn)
+            for s in model_trace.nodes.values()
+            if s["type"] == "sample"
+        )
+        log_guide = sum(
+            particle_sum(s["log_prob"], n, mpn)
+            for s in guide_trace.nodes.values()
+            if s["type"] == "sample" and implicit_site_info(s) is None
+        )
+        return log_joint - log_guide
+
+    def loss(self, model, guide, *args, **kwargs):
+        r"""The monitoring value :math:`-\frac1N\sum_a \log\tilde p(u'_a)` (see the class
+        docstring) on a fresh batch; no helper update, no gradient."""
+        with torch.no_grad():
+            model_trace, guide_trace = self._traces(model, guide, args, kwargs)
+            self._implicit_site(model_trace, guide_trace)
+            return -self._log_target(model_trace, guide_trace).mean().item()
+
+    def _loss_and_surrogate(self, model, guide, args, kwargs):
+        model_trace, guide_trace = self._traces(model, guide, args, kwargs)
+        site, guide_obj = self._implicit_site(model_trace, guide_trace)
+        n, mpn = self.num_particles, self.max_plate_nesting
+        latent = site["value"]
+        if not latent.requires_grad:
+            raise RuntimeError(
+                f"{type(self).__name__} differentiates the model at the guide's draws: call "
+                "loss_and_grads / differentiable_loss with autograd enabled"
+            )
+        log_target = self._log_target(model_trace, guide_trace)
+        # score of the unconstrained target at the draws (no gradient into the generator)
+        (score,) = torch.autograd.grad(
+            log_target.sum(), latent, retain_graph=not self.independent_batches
+        )
+        score = packed_particles(score, n, mpn)
+        scale = site["scale"]
+        scale = scale.item() if torch.is_tensor(scale) else float(scale)
+        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
+        # eq. (4): d/dtheta mean_b <G_b, f(z_b)> = E_z[(df/dtheta)^T G]
+        surrogate = (direction.detach() * outputs).sum(-1).mean()
+        self.diagnostics["log_target"] = log_target.mean().item()
+        return -log_target.detach().mean(), surrogate
+
+    def _direction(self, guide, guide_trace, site, score, scale):
+        raise NotImplementedError
+
+    def _noise_rows(self, guide, guide_trace):
+        name = f"_{guide._pyro_name}_noise"
+        if name not in guide_trace.nodes:
+            raise TypeError(f"{type(guide).__name__} has no noise site {name!r} in its trace")
+        return packed_particles(
+            guide_trace.nodes[name]["value"], self.num_particles, self.max_plate_nesting
+        ).detach()
+
+    def _bandwidth(self, *points):
+        return self.kernel.bandwidth(*points)
+
+
+class GPVI_ELBO(_FunctionalGradientELBO):
+    r"""Generative particle VI (Ratzlaff et al. 2021, Algorithm 1) as a Pyro loss for an
+    :class:`~pyro_implicit.guides.ImplicitGuide` whose generator has a square, invertible
+    Jacobian.
+
+    One step (``loss_and_grads`` or ``differentiable_loss``), in the model's packed
+    unconstrained space:
+
+    1. draw N particles :math:`u'_a = f(z'_a)` in one vectorised guide trace, run the model
+       on them and take the scores :math:`s'_a = \nabla_u \log\tilde p(u'_a)` by autograd,
+       where :math:`\log\tilde p(u) = \log p(x, T(u)) + \log|\det\partial T/\partial u|`
+       (all observed sites and factors with Pyro's plate scaling, so ``subsample_size``
+       gives the M/B likelihood weight; T the ``biject_to`` maps);
+    2. draw an independent noise batch :math:`z_b` (``independent_batches``; the paper
+       resamples both every step) and the kernel on noise,
+       :math:`K_{ab} = k(z'_a, z_b)`, :math:`V_{ab} = \nabla_{z'_a} k(z'_a, z_b)`;
+    3. update the helper once on :math:`\|J_f(z'_a)^\top h_\eta(z'^{(:k)}_a, V_{ab}) -
+       V_{ab}\|^2` (eqs. 10-11, mean over all entries) with its own optimiser, then
+       :math:`Y_{ab} = h_\eta(z'^{(:k)}_a, V_{ab})` with the updated :math:`\eta`
+       (Algorithm 1, steps 5-7); or, with ``exact_jacobian``, :math:`Y_{ab} =
+       J_f(z'_a)^{-\top} V_{ab}` by a linear solve;
+    4. :math:`G_b = -\frac1N \sum_a [s'_a K_{ab} + \beta Y_{ab}]` (eqs. 5/9), with
+       :math:`\beta` the latent site's ``poutine.scale`` (1 normally);
+    5. the surrogate :math:`\frac1N \sum_b \langle \mathrm{sg}(G_b), f_\theta(z_b)\rangle`,
+       whose gradient is the Monte Carlo pullback of eq. (4); the Pyro optimiser steps
+       :math:`\theta`.
+
+    The kernel is the RBF kernel on the noise (App. B.2; Sec. 3.5: GPVI's RKHS lives on
+    z), :math:`k = \exp(-\|z' - z\|^2 / h)` with the median rule :math:`h = \mathrm{med}^2 /
+    \log N` (the paper's "log n"; ``med`` over the pooled batches). The authors' code
+    divides by :math:`\log N^2` instead: pass
+    ``kernel=RBFKernel(bandwidth_factor=svgd_bandwidth_factor(N * N))``.
+
+    **What the returned loss is.** :math:`-\frac1N\sum_a \log\tilde p(u'_a)`, the mean
+    negative log target (unnormalised posterior in unconstrained space) at the step's
+    draws: the negative ELBO *without its entropy term*, i.e. :math:`\mathrm{KL}(q\|p) -
+    H[q] - \log Z`. GPVI never evaluates q, so no KL or ELBO value exists; this number
+    falls as q moves to high-density regions and is not comparable with other losses'
+    values. :attr:`diagnostics` holds it as ``log_target`` together with the helper's loss
+    before its update (``helper_loss``, it should fall fast and stay small), the kernel
+    length scale :math:`\sigma` (``bandwidth``, :math:`h = 2\sigma^2`) and the mean row
+    norms of the attractive and repulsive parts of G.
+
+    Usage::
+
+        guide = ImplicitGuide(model, generator=gpvi_generator())
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), GPVI_ELBO(num_particles=64))
+
+    The default ``ImplicitGuide(model)`` also works for 2 <= D <= 64 (its MLP then has D
+    noise inputs, so the Jacobian is square and, checked once at random noise points,
+    invertible); otherwise the loss names the option to set. Nothing keeps a plain MLP
+    injective during training; the skip term of :func:`gpvi_generator` is the paper's
+    remedy (Sec. 3.2, App. A.4) and the recommended choice. A linear generator
+    (``ImplicitGuide(model, hidden_dims=())``, :math:`q = \mathcal N(b, W W^\top)`) is
+    the paper's toy-experiment sampler (Tables 1, 2).
+
+    Costs per step: one model run on N particles, O(N^2 D) memory for V, and for the helper
+    N^2 forward and double-backward passes of the generator (``exact_jacobian``: N
+    Jacobians, O(N D^3); small D only; the paper found it less accurate in 5-D, Table 5).
+
+    :param int num_particles: N, the size of each noise batch (paper: 100 for the toy
+        tasks, 10 for large BNNs).
+    :param bool exact_jacobian: solve with the formed Jacobian instead of the helper.
+    :param int helper_hidden: H, the helper's branch width (default ``clip(4 D, 10,
+        512)``; the paper's tables use 10 for D = 3 up to 512-544).
+    :param int helper_layers: helper layers after the concatenation (paper: 3).
+    :param float helper_lr: the helper's Adam learning rate (paper: 1e-4 in every table).
+    :param callable helper_optim: ``params -> torch.optim.Optimizer`` replacing Adam.
+    :param int helper_steps: helper updates per step on the same batch (paper: 1).
+    :param kernel: kernel on the noise (default RBF with the median rule above).
+    :param bool independent_batches: draw the batch that carries the gradient
+        independently of the scored batch (paper); False reuses z' (half the generator
+        work, a correlated estimate).
+    :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
+    :param bool check_vectorization: check once that the model is safe under the particle
+        plate.
+
+    References
+
+    [1] `Generative Particle Variational Inference via Estimation of Functional
+        Gradients`, Roman Ratzlaff, Qinxun Bai, Li Fuxin, Wei Xu, ICML 2021.
+    """
+
+    def __init__(
+        self,
+        num_particles=64,
+        exact_jacobian=False,
+        helper_hidden=None,
+        helper_layers=3,
+        helper_lr=1e-4,
+        helper_optim=None,
+        helper_steps=1,
+        kernel=None,
+        independent_batches=True,
+        max_plate_nesting=float("inf"),
+        check_vectorization=True,
+        retain_graph=None,
+    ):
+        if helper_steps < 1:
+            raise ValueError(f"helper_steps must be positive, got {helper_steps}")
+        if not helper_lr > 0:
+            raise ValueError(f"helper_lr must be positive, got {helper_lr}")
+        super().__init__(
+            num_particles,
+            kernel,
+            independent_batches,
+            max_plate_nesting,
+            check_vectorization,
+            retain_graph,
+        )
+        self.exact_jacobian = bool(exact_jacobian)
+        self.helper_hidden = helper_hidden
+        self.helper_layers = int(helper_layers)
+        self.helper_lr = float(helper_lr)
+        self.helper_optim = helper_optim
+        self.helper_steps = int(helper_steps)
+        self.helper = None
+        self.helper_optimizer = None
+        self._probed = set()
+
+    def _pairing_hint(self):
+        return (
+            "GPVI_ELBO needs an ImplicitGuide whose generator maps D noise values to the D "
+            "latents with an invertible Jacobian: ImplicitGuide(model, "
+            "generator=gpvi_generator()) (Ratzlaff et al., eq. 6). AmortizedSVGD_ELBO and "
+            "KernelRatioELBO train any implicit guide."
+        )
+
+    # -------------------------------------------------------------- guide checks
+    def _check_packed_guide(self, guide, model_trace):
+        if not isinstance(guide, ImplicitGuide):
+            raise TypeError(
+                f"GPVI_ELBO needs u = f(z) with f invertible, but {type(guide).__name__} "
+                f"adds noise after its generator. {self._pairing_hint()}"
+            )
+        gen = guide.generator
+        dim = guide.latent_dim
+        if gen.noise_dim != dim or gen.out_dim != dim:
+            raise ValueError(
+                "GPVI needs a square generator Jacobian (Theorem 3.1, Sec. 3.2), but this "
+                f"ImplicitGuide maps {gen.noise_dim} noise values to D={dim} latents. Set "
+                "ImplicitGuide(model, generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, "
+                "eq. 6; k defaults to min(D, 64-128)), or noise_dim=D for a small model."
+            )
+        if id(gen) not in self._probed and dim <= _PROBE_MAX_DIM:
+            self._probe_invertible(gen, dim)
+            self._probed.add(id(gen))
+
+    def _probe_invertible(self, gen, dim):
+        ref = next(gen.parameters(), None)
+        dtype = ref.dtype if ref is not None else torch.get_default_dtype()
+        z = torch.randn(8, dim, dtype=dtype, device=None if ref is None else ref.device)
+        with torch.no_grad():
+            sv = torch.linalg.svdvals(jacobian(gen, z))
+        ratio = (sv[:, -1] / sv[:, 0]).min()
+        if not torch.isfinite(sv).all() or not ratio > _SINGULAR_RTOL:
+            raise ValueError(
+                f"the generator's Jacobian is singular (smallest/largest singular value "
+                f"{ratio.item():.2g} at a random noise point), so q has no density and GPVI's "
+                "J^{-T} does not exist. Use an invertible generator: ImplicitGuide(model, "
+                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)."
+            )
+
+    # -------------------------------------------------------------- helper
+    def _build_helper(self, active_dim, dim, dtype=None, device=None):
+        hidden = self.helper_hidden or int(min(512, max(10, 4 * dim)))
+        self.helper = InverseJacobianNetwork(active_dim, dim, hidden, self.helper_layers).to(
+            dtype=dtype or torch.get_default_dtype(), device=device
+        )
+        params = list(self.helper.parameters())
+        self.helper_optimizer = (
+            self.helper_optim(params)
+            if self.helper_optim is not None
+            else torch.optim.Adam(params, lr=self.helper_lr)
+        )
+
+    def _ensure_helper(self, gen, ref):
+        k = getattr(gen, "active_dim", gen.noise_dim)
+        if self.helper is None:
+            self._build_helper(k, gen.out_dim, ref.dtype, ref.device)
+        elif (self.helper.active_dim, self.helper.dim) != (k, gen.out_dim):
+            raise ValueError(
+                f"this GPVI_ELBO's helper was built for k={self.helper.active_dim}, "
+                f"D={self.helper.dim}, but the guide has k={k}, D={gen.out_dim}: use one "
+                "GPVI_ELBO per guide"
+            )
+
+    def _helper_update(self, gen, z_score, v):
+        """Algorithm 1, steps 4-6: one (or ``helper_steps``) least-squares step(s) of the
+        helper on this batch; returns the loss before the first update."""
+        params = list(self.helper.parameters())
+        first = None
+        for _ in range(self.helper_steps):
+            with torch.enable_grad():
+                loss = helper_residual(self.helper, gen, z_score, v).pow(2).mean()
+                # only eta: the residual's graph also runs through the generator
+                grads = torch.autograd.grad(loss, params)
+            self.helper_optimizer.zero_grad(set_to_none=True)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            self.helper_optimizer.step()
+            first = loss.item() if first is None else first
+        return first
+
+    def inverse_jvp(self, gen, z_score, v):
+        r"""The repulsive vectors :math:`Y_{ab} \approx J_f(z'_a)^{-\top} v_{ab}`, ``(A,
+        B, D)``, from the exact solve or the current helper (no update, no gradient)."""
+        if self.exact_jacobian:
+            return exact_inverse_jvp(gen, z_score, v)
+        k = getattr(gen, "active_dim", gen.noise_dim)
+        rows, vectors = _pairs(z_score, v)
+        with torch.no_grad():
+            return self.helper(rows[:, :k], vectors).reshape(v.shape)
+
+    # -------------------------------------------------------------- direction
+    def _direction(self, guide, guide_trace, site, score, scale):
+        gen = guide.generator
+        z_score = self._noise_rows(guide, guide_trace)
+        n = self.num_particles
+        if self.independent_batches:
+            z = torch.randn_like(z_score)
+            sigma = self._bandwidth(z_score, z)
+        else:
+            z = z_score
+            sigma = self._bandwidth(z_score)
+        outputs = gen(z)
+        d2 = squared_distances(z_score, z)
+        k = self.kernel.from_squared_distances(d2, sigma)
+        # grad_{z'_a} k(z'_a, z_b) = 2 (z'_a - z_b) dk/dr, r = |z'_a - z_b|^2
+        dk = self.kernel.derivative_wrt_squared_distance(d2, sigma)
+        v = 2.0 * (z_score.unsqueeze(1) - z.unsqueeze(0)) * dk.unsqueeze(-1)  # (N', N, D)
+        helper_loss = None
+        if not self.exact_jacobian:
+            self._ensure_helper(gen, z_score)
+            helper_loss = self._helper_update(gen, z_score, v)
+        y = self.inverse_jvp(gen, z_score, v)
+        attraction = k.T @ score.detach()
+        repulsion = scale * y.sum(0)
+        direction = -(attraction + repulsion) / n  # eq. (9): the functional gradient
+        self.last_noise = (z_score, z.detach())
+        self.diagnostics = {
+            "bandwidth": float(sigma),
+            "attraction": attraction.norm(dim=-1).mean().item() / n,
+            "repulsion": repulsion.norm(dim=-1).mean().item() / n,
+        }
+        if helper_loss is not None:
+            self.diagnostics["helper_loss"] = helper_loss
+        return direction, outputs
+
+    # -------------------------------------------------------------- checkpointing
+    def state_dict(self):
+        """The helper network and its optimiser (``None`` before the first step)."""
+        if self.helper is None:
+            return {"helper": None}
+        return {
+            "helper": self.helper.state_dict(),
+            "optimizer": self.helper_optimizer.state_dict(),
+            "dims": (self.helper.active_dim, self.helper.dim),
+            "hidden": self.helper.noise_branch[0].out_features,
+        }
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` (builds the helper if no step has run yet)."""
+        if state.get("helper") is None:
+            self.helper = self.helper_optimizer = None
+            return
+        ref = next(iter(state["helper"].values()))
+        hidden, self.helper_hidden = self.helper_hidden, state["hidden"]
+        try:
+            self._build_helper(*state["dims"], dtype=ref.dtype, device=ref.device)
+        finally:
+            self.helper_hidden = hidden or state["hidden"]
+        self.helper.load_state_dict(state["helper"])
+        self.helper_optimizer.load_state_dict(state["optimizer"])
+
+
+class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
+    r"""Amortised SVGD (Wang & Liu 2016; GPVI paper eq. 14), GPVI's main baseline, as a
+    Pyro loss for any :class:`~pyro_implicit.guides.base.ImplicitAutoGuide`.
+
+    The same step as :class:`GPVI_ELBO` with the SVGD direction computed on the generator's
+    *outputs* (Sec. 3.5: the RKHS lives on u, not z), so no Jacobian is needed:
+
+    .. math::
+        G_b = -\frac1N \sum_a \big[s'_a\, k(u'_a, u_b) + \beta\, \nabla_{u'_a} k(u'_a,
+        u_b)\big] = -\phi^*(u_b) \quad\text{(eq. 13)},
+
+    back-propagated through :math:`u_b` by the surrogate :math:`\frac1N\sum_b \langle
+    \mathrm{sg}(G_b), u_b\rangle` (eq. 14). The scored batch :math:`u'` and the
+    gradient batch :math:`u` are independent draws by default (as the GPVI authors' code
+    runs its baseline); ``independent_batches=False`` is Wang & Liu's original single
+    batch. Kernel sums are matrix products: :math:`O(N^2 + N D)` memory.
+
+    The returned loss and :attr:`diagnostics` are as for :class:`GPVI_ELBO` (the mean
+    negative log target; no helper). Swapping the two losses is the one-line comparison::
+
+        svi = SVI(model, guide, optim, AmortizedSVGD_ELBO(num_particles=64))
+
+    :param int num_particles: N, the size of each batch.
+    :param kernel: kernel on u (default RBF, :math:`h = \mathrm{med}^2/\log N`).
+    :param bool independent_batches: see above.
+    :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
+    :param bool check_vectorization: check once that the model is safe under the particle
+        plate.
+
+    References
+
+    [1] `Learning to Draw Samples: With Application to Amortized MLE for Generative
+        Adversarial Learning`, Dilin Wang, Qiang Liu, 2016.
+    [2] `Generative Particle Variational Inference via Estimation of Functional
+        Gradients`, Roman Ratzlaff et al., ICML 2021 (Sec. 3.5).
+    """
+
+    def _pairing_hint(self):
+        return (
+            "AmortizedSVGD_ELBO trains a guide that packs all latents into one implicit "
+            "sampler: ImplicitGuide, SemiImplicitGuide or LinearizedGuide."
+        )
+
+    def _check_packed_guide(self, guide, model_trace):
+        if not isinstance(guide, ImplicitAutoGuide):
+            raise TypeError(f"{type(guide).__name__} is not a packed guide. {self._pairing_hint()}")
+
+    def _direction(self, guide, guide_trace, site, score, scale):
+        n, mpn = self.num_particles, self.max_plate_nesting
+        rows = packed_particles(site["value"], n, mpn)
+        u_score = rows.detach()
+        if self.independent_batches:
+            outputs = guide.sample_unconstrained(n)
+        else:
+            outputs = rows
+        u = outputs.detach()
+        # translation invariant: centre for a well-conditioned Gram identity
+        shift = u_score.mean(0)
+        a, b = u_score - shift, u - shift
+        if self.independent_batches:
+            sigma = self._bandwidth(a, b)
+        else:
+            sigma = self._bandwidth(a)
+        d2 = squared_distances(a, b)
+        k = self.kernel.from_squared_distances(d2, sigma)
+        dk = self.kernel.derivative_wrt_squared_distance(d2, sigma)
+        # sum_a grad_{u'_a} k(u'_a, u_b) = 2 sum_a dk_ab (u'_a - u_b)
+        kernel_grad = 2.0 * (dk.T @ a - dk.sum(0).unsqueeze(-1) * b)
+        attraction = k.T @ score.detach()
+        repulsion = scale * kernel_grad
+        direction = -(attraction + repulsion) / n
+        self.diagnostics = {
+            "bandwidth": float(sigma),
+            "attraction": attraction.norm(dim=-1).mean().item() / n,
+            "repulsion": repulsion.norm(dim=-1).mean().item() / n,
+        }
+        return direction, outputs

@@ -1,0 +1,10 @@
+"""Unnormalised densities written as Pyro models, for checking samplers on known targets.
+
+:func:`~pyro_implicit.targets.base.density_model` turns a log-density into a Pyro model
+whose posterior is exactly that density. The toy targets of the papers live in one module
+each (e.g. ``pyro_implicit.targets.energy`` for GPVI's 2-D energy potentials).
+"""
+
+from .base import density_model
+
+__all__ = ["density_model"]
