@@ -14,7 +14,13 @@ from .elbo import (
     KernelRatioELBO,
     VectorizationError,
 )
-from .guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
+from .guides import (
+    ImplicitAutoGuide,
+    ImplicitGuide,
+    LinearizedGuide,
+    SemiImplicitEncoder,
+    SemiImplicitGuide,
+)
 from .particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
 __version__ = "0.1.0"
@@ -33,6 +39,7 @@ __all__ = [
     "LIVI_ELBO",
     "LinearizedGuide",
     "SIVI_ELBO",
+    "SemiImplicitEncoder",
     "SemiImplicitGuide",
     "VectorizationError",
     "kernels",

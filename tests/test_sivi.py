@@ -3,9 +3,11 @@
 Reference numbers for the degeneracy test are the digest's Sec. 10.4 (notes/seeds/sivi.md).
 """
 
+import importlib.util
 import io
 import math
 from contextlib import nullcontext
+from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -16,8 +18,11 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_value
 
 from pyro_implicit import ImplicitGuide, KernelRatioELBO
+from pyro_implicit.datasets import data_dir
 from pyro_implicit.elbo.sivi import SIVI_ELBO, linear_schedule
+from pyro_implicit.guides.base import IMPLICIT_FLAG, ImplicitDelta
 from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.targets.sivi import SIVI_TOY_TARGETS, toy_distribution, toy_model
 
 
 def fit(model, guide, *args, steps, lr=1e-2, final_lr=1e-3, **elbo_kwargs):
@@ -444,3 +449,102 @@ def test_correlated_linear_regression_posterior():
     assert ((ratio > 0.8) & (ratio < 1.15)).all(), ratio
     corr_error = (q_cov / q_sd[:, None] / q_sd - cov / sd[:, None] / sd).abs().max()
     assert corr_error < 0.15
+
+
+# --------------------------------------------------------------------------- more errors
+def test_negative_k_is_refused_in_the_constructor_and_the_schedule():
+    with pytest.raises(ValueError, match="non-negative integer"):
+        SIVI_ELBO(num_mixing=-1)
+    elbo = SIVI_ELBO(num_particles=3, schedule=lambda t: -2, max_plate_nesting=1)
+    svi = SVI(normal_normal, SemiImplicitGuide(normal_normal), pyro.optim.Adam({}), elbo)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        svi.step(torch.randn(5))
+
+
+class _NotReparameterised(ImplicitDelta):
+    has_rsample = False
+
+
+class _ScoreFunctionConditional(SemiImplicitGuide):
+    """A semi-implicit guide whose conditional claims no reparameterised sampler (the
+    paper's Sec. 3.4 case), for which SIVI_ELBO has no score-function fallback."""
+
+    def sample_latent(self, *args, **kwargs):
+        with poutine.block(hide=[f"_{self._pyro_name}_latent"]):
+            latent = super().sample_latent(*args, **kwargs)
+        return pyro.sample(
+            f"_{self._pyro_name}_latent",
+            _NotReparameterised(latent, event_dim=1),
+            infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
+        )
+
+
+def test_non_reparameterisable_conditional_is_refused():
+    guide = _ScoreFunctionConditional(normal_normal)
+    svi = SVI(normal_normal, guide, pyro.optim.Adam({}), SIVI_ELBO(max_plate_nesting=1))
+    with pytest.raises(NotImplementedError, match="not reparameterisable"):
+        svi.step(torch.randn(5))
+
+
+# --------------------------------------------------------------------------- toy targets
+@pytest.mark.parametrize("name", list(SIVI_TOY_TARGETS))
+def test_toy_model_posterior_is_the_target(name):
+    """The model's log-joint equals the target's normalised log-density (up to the
+    Jacobian-free constant 0), and exact draws have the tabulated moments."""
+    model = toy_model(name)
+    target = toy_distribution(name)
+    trace = poutine.trace(model).get_trace()
+    z = trace.nodes["z"]["value"]
+    assert z.shape == (SIVI_TOY_TARGETS[name],)
+    assert math.isclose(trace.log_prob_sum().item(), target.log_prob(z).item(), abs_tol=1e-10)
+    draws = target.sample((20000,))
+    mean, var = {
+        "laplace": ([0.0], [8.0]),
+        "gmm1d": ([0.8], [1.0 + 0.21 * 16]),
+        "gamma": ([2.0], [2.0]),
+        "gmm2d": ([0.0, 0.0], [5.0, 1.0]),
+        "banana": ([1.0, 0.0], [3.0, 4.0]),
+        "xshape": ([0.0, 0.0], [2.0, 2.0]),
+    }[name]
+    se = (torch.tensor(var) / 20000).sqrt()
+    assert ((draws.mean(0) - torch.tensor(mean)).abs() < 5 * se).all()
+    assert ((draws.var(0) / torch.tensor(var) - 1).abs() < 0.1).all()
+
+
+# --------------------------------------------------------------------------- benchmarks
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load_benchmark(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _have_sivi_data():
+    try:
+        return (data_dir() / "sivi" / "waveform.mat").exists()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:ConditionalAutoRegressiveNN input_dim = 1")
+def test_toys_benchmark_smoke(tmp_path):
+    rows = _load_benchmark("sivi_toys").main(
+        ["--smoke", "--targets", "gamma", "--figure", str(tmp_path / "f.png")]
+    )
+    assert {method for _, method, *_ in rows} >= {"SIVI", "AutoIAFNormal", "NUTS (reference)"}
+    assert all(math.isfinite(row[3]) for row in rows)
+
+
+@pytest.mark.skipif(not _have_sivi_data(), reason="sivi/waveform.mat not available")
+def test_waveform_benchmark_smoke():
+    draws = _load_benchmark("sivi_waveform").main(["--smoke"])
+    assert draws["SIVI"].shape == (20, 22) and draws["NUTS"].shape == (20, 22)
+
+
+@pytest.mark.skipif(not _have_sivi_data(), reason="sivi/waveform.mat not available")
+def test_step_time_benchmark_smoke():
+    times = _load_benchmark("sivi_step_time").main(["--smoke"])
+    assert set(times) == {"AutoNormal", "KIVI", "SIVI K=1", "SIVI K=4"}

@@ -114,6 +114,14 @@ class SIVI_ELBO(ImplicitELBO):
     (``(K, P)``, with gradient) and optionally ``pairwise_conditional_log_prob(u, psi)``
     (``(N, M)``, used to avoid an ``(N, M, D)`` tensor).
 
+    **Local latents** (capability ``"local"``, e.g.
+    :class:`~pyro_implicit.guides.amortized.SemiImplicitEncoder`, the paper's SIVAE,
+    eq. 12): the site lies inside the model's data plate and its record also holds the
+    ``"context"`` (the subsample's data points); the guide provides
+    ``conditional_log_prob(z, psi, context)`` and ``sample_mixing(K, context)``
+    (``(K, *batch, D)``). The K extra draws are drawn per data point and shared by the J
+    particles; :math:`\log \tilde h_K` is scaled by the plate's subsampling factor.
+
     A guide without an implicit site (e.g. ``AutoNormal``) has an exact density; then
     the loss is the ordinary vectorised ELBO. A guide that can only be sampled (e.g.
     ``ImplicitGuide``) is refused with a ``TypeError``: use ``KernelRatioELBO``.
@@ -191,7 +199,10 @@ class SIVI_ELBO(ImplicitELBO):
     def _log_mixture_density(self, guide_trace, site, num_mixing, bound):
         r""":math:`\log \tilde h_K(u_j)` per particle: with the generating component
         (``bound="lower"``, eq. 9) or without it (``"upper"``, eq. 10)."""
-        guide = implicit_site_info(site)["guide"]
+        info = implicit_site_info(site)
+        if "local" in info["capabilities"]:
+            return self._local_log_mixture_density(guide_trace, site, num_mixing, bound)
+        guide = info["guide"]
         n, mpn = self.num_particles, self.max_plate_nesting
         u = packed_particles(site["value"], n, mpn)
         psi_own = packed_particles(auxiliary_site_value(guide_trace, site, "mixing_site"), n, mpn)
@@ -206,6 +217,33 @@ class SIVI_ELBO(ImplicitELBO):
                 parts.append(guide.conditional_log_prob(u.unsqueeze(-2), psi_extra))
         log_q = torch.cat(parts, dim=-1)
         return torch.logsumexp(log_q, dim=-1) - math.log(log_q.shape[-1])
+
+    def _local_log_mixture_density(self, guide_trace, site, num_mixing, bound):
+        r"""Amortised local latents (SIVAE, eq. 12): :math:`\log \tilde h_K(z_{ji} \mid
+        x_i)` for every particle j and data point i of the subsample, with K extra draws
+        per data point shared by the J particles, summed over the data points after the
+        plate's subsampling scale; shape ``(J,)``."""
+        info = implicit_site_info(site)
+        guide, x = info["guide"], info["context"]
+        n, mpn = self.num_particles, self.max_plate_nesting
+        z = site["value"]
+        psi_own = auxiliary_site_value(guide_trace, site, "mixing_site")
+        axis = z.dim() - 1 - mpn  # the particle plate
+        if axis < 0:
+            raise ValueError(f"site '{site['name']}' lies outside the particle plate")
+        z, psi_own = z.movedim(axis, 0), psi_own.movedim(axis, 0)
+        parts = []
+        if bound == "lower":
+            parts.append(guide.conditional_log_prob(z, psi_own, x).unsqueeze(1))
+        if num_mixing > 0:
+            psi_extra = guide.sample_mixing(num_mixing, x)  # (K, *batch, D)
+            parts.append(guide.conditional_log_prob(z.unsqueeze(1), psi_extra, x))
+        log_q = torch.cat(
+            [p.expand((z.shape[0], p.shape[1]) + p.shape[2:]) for p in parts], dim=1
+        )
+        log_h = torch.logsumexp(log_q, dim=1) - math.log(log_q.shape[1])  # (J, *batch)
+        log_h = log_h.expand((n,) + log_h.shape[1:]) * site["scale"]
+        return log_h.reshape(n, -1).sum(-1)
 
     def _particle_terms(self, model, guide, args, kwargs, num_mixing, bound="lower"):
         """Per-particle :math:`\\log p(x, z_j) - \\log \\tilde q(z_j)`, shape ``(J,)``."""
@@ -225,7 +263,9 @@ class SIVI_ELBO(ImplicitELBO):
                 log_guide = log_guide + particle_sum(site["log_prob"], n, mpn)
             else:
                 log_h = self._log_mixture_density(guide_trace, site, num_mixing, bound)
-                log_guide = log_guide + site["scale"] * log_h
+                if "local" not in implicit_site_info(site)["capabilities"]:
+                    log_h = site["scale"] * log_h  # the local path applies it per point
+                log_guide = log_guide + log_h
         return log_joint - log_guide
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):

@@ -1,5 +1,6 @@
 """Guides whose packed latent comes from a sampler instead of a density."""
 
+from .amortized import SemiImplicitEncoder
 from .base import ImplicitAutoGuide, ImplicitDelta
 from .implicit import ImplicitGuide
 from .linearized import LinearizedGuide
@@ -16,5 +17,6 @@ __all__ = [
     "LinearizedGuide",
     "MLPGenerator",
     "MatrixGenerator",
+    "SemiImplicitEncoder",
     "SemiImplicitGuide",
 ]

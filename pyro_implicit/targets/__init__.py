@@ -6,5 +6,6 @@ each (e.g. ``pyro_implicit.targets.energy`` for GPVI's 2-D energy potentials).
 """
 
 from .base import density_model
+from .sivi import SIVI_TOY_TARGETS, toy_distribution, toy_model
 
-__all__ = ["density_model"]
+__all__ = ["SIVI_TOY_TARGETS", "density_model", "toy_distribution", "toy_model"]
