@@ -409,7 +409,11 @@ class GPVI_ELBO(_FunctionalGradientELBO):
     :param int helper_hidden: H, the helper's branch width (default ``clip(4 D, 10,
         512)``; the paper's tables use 10 for D = 3 up to 512-544).
     :param int helper_layers: helper layers after the concatenation (paper: 3).
-    :param float helper_lr: the helper's Adam learning rate (paper: 1e-4 in every table).
+    :param float helper_lr: the helper's Adam learning rate (paper: 1e-4 in every table,
+        over 50k-500k steps). The helper must track the generator: with short runs and a
+        fast generator rate raise it (benchmarks/results/gpvi.md: on Bayesian linear
+        regression at generator rate 5e-2, helper 1e-3 gave a covariance error of 0.49,
+        1e-2 gave 0.095); an under-trained helper shows as under-dispersed samples.
     :param callable helper_optim: ``params -> torch.optim.Optimizer`` replacing Adam.
     :param int helper_steps: helper updates per step on the same batch (paper: 1).
     :param kernel: kernel on the noise (default RBF with the median rule above).
