@@ -107,16 +107,39 @@ class _BNNBase:
         hidden_dims = tuple(hidden_dims)
         if any(int(h) != h or h < 1 for h in hidden_dims):
             raise ValueError(f"hidden_dims must be positive ints, got {hidden_dims!r}.")
-        if not prior_scale > 0:
-            raise ValueError(f"prior_scale must be positive, got {prior_scale!r}.")
         self.in_dim = int(in_dim)
         self.hidden_dims = tuple(int(h) for h in hidden_dims)
         self.activation = activation
         self._act = _activation(activation)
-        self.prior_scale = float(prior_scale)
         dims = (self.in_dim,) + self.hidden_dims + (int(out_dim),)
         #: ``(in_features + 1, out_features)`` of each layer, bias row included
         self.layer_shapes = [(dims[i] + 1, dims[i + 1]) for i in range(len(dims) - 1)]
+        if isinstance(prior_scale, str):
+            if prior_scale != "fan_out":
+                raise ValueError(
+                    f"prior_scale must be a positive number, a sequence of them or 'fan_out', "
+                    f"got {prior_scale!r}."
+                )
+            scales = [out**-0.5 for _, out in self.layer_shapes]
+        elif isinstance(prior_scale, (list, tuple)):
+            if len(prior_scale) != len(self.layer_shapes):
+                raise ValueError(
+                    f"prior_scale has {len(prior_scale)} entries for {len(self.layer_shapes)} "
+                    "layers."
+                )
+            scales = [float(s) for s in prior_scale]
+        else:
+            scales = [float(prior_scale)] * len(self.layer_shapes)
+        if not all(s > 0 for s in scales):
+            raise ValueError(f"prior_scale must be positive, got {prior_scale!r}.")
+        #: the prior scale as given (a float for the KIVI default)
+        self.prior_scale = (
+            prior_scale
+            if isinstance(prior_scale, str)
+            else (scales[0] if not isinstance(prior_scale, (list, tuple)) else tuple(scales))
+        )
+        #: standard deviation of each layer's weight prior
+        self.layer_prior_scales = scales
         #: names of the weight sites, in layer order
         self.layer_names = [f"layer{i}" for i in range(len(self.layer_shapes))]
 
@@ -141,9 +164,11 @@ class _BNNBase:
     def _sample_weights(self, x):
         """Sample the weight sites (outside any data plate) and align them with the plates."""
         loc = x.new_zeros(())
-        scale = x.new_tensor(self.prior_scale)
         weights = []
-        for name, shape in zip(self.layer_names, self.layer_shapes, strict=True):
+        for name, shape, s in zip(
+            self.layer_names, self.layer_shapes, self.layer_prior_scales, strict=True
+        ):
+            scale = x.new_tensor(s)
             w = pyro.sample(name, dist.Normal(loc, scale).expand(shape).to_event(2))
             weights.append(_drop_data_slot(w, self.max_plate_nesting))
         return weights
@@ -164,7 +189,11 @@ class BNNRegression(_BNNBase):
         y_j ~ Normal(f_j, precision^-1/2)                j in plate "data" (dim -1)
 
     With ``precision_prior=None`` there is no ``precision`` site and the noise standard
-    deviation is the fixed ``noise_scale``.
+    deviation is the fixed ``noise_scale``, unless ``noise_std_prior=(a, b)`` is given:
+    then a site ``noise_std ~ InverseGamma(a, b)`` holds the noise standard deviation
+    itself (f-POVI's UCI setting, App. A.2.1 and the authors' code: ``InverseGamma(1, 0.1)``
+    on the std, with the per-layer weight prior ``prior_scale="fan_out"``, i.e.
+    :math:`N(0, 1/n_{out})`).
 
     The object is a plain callable with no parameters. It is vectorised over samples of
     its latent sites: under an outer plate of size ``S`` at dim -2 (an ELBO's particle
@@ -176,12 +205,17 @@ class BNNRegression(_BNNBase):
     :type hidden_dims: tuple[int]
     :param activation: ``"relu"``, ``"tanh"``, ``"sigmoid"``, ``"elu"``, ``"softplus"``,
         ``"gelu"`` or a callable.
-    :param float prior_scale: standard deviation of the weight prior.
+    :param prior_scale: standard deviation of the weight prior: one number for all layers,
+        one per layer, or ``"fan_out"`` for :math:`1/\\sqrt{n_{out}}` per layer (f-POVI).
+    :type prior_scale: float or tuple[float] or str
     :param precision_prior: ``(shape, rate)`` of the Gamma prior on the noise precision, or
         ``None`` for a fixed noise scale.
     :type precision_prior: tuple[float, float] or None
     :param float noise_scale: the fixed noise standard deviation, used only when
-        ``precision_prior`` is ``None``.
+        ``precision_prior`` and ``noise_std_prior`` are ``None``.
+    :param noise_std_prior: ``(a, b)`` of an inverse-Gamma prior on the noise standard
+        deviation (site ``"noise_std"``); needs ``precision_prior=None``.
+    :type noise_std_prior: tuple[float, float] or None
     """
 
     def __init__(
@@ -192,8 +226,17 @@ class BNNRegression(_BNNBase):
         prior_scale=1.0,
         precision_prior=(6.0, 6.0),
         noise_scale=1.0,
+        noise_std_prior=None,
     ):
         super().__init__(in_dim, 1, hidden_dims, activation, prior_scale)
+        if noise_std_prior is not None:
+            if precision_prior is not None:
+                raise ValueError("give precision_prior or noise_std_prior, not both.")
+            a, b = noise_std_prior
+            if not (a > 0 and b > 0):
+                raise ValueError(f"noise_std_prior must be two positive numbers, got {a}, {b}.")
+            noise_std_prior = (float(a), float(b))
+        self.noise_std_prior = noise_std_prior
         if precision_prior is not None:
             a, b = precision_prior
             if not (a > 0 and b > 0):
@@ -230,7 +273,10 @@ class BNNRegression(_BNNBase):
             shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
             raise ValueError(f"y must be a tensor of shape ({n},) like x's rows, got {shape}.")
         weights = self._sample_weights(x)
-        if self.precision_prior is None:
+        if self.noise_std_prior is not None:
+            a, b = self.noise_std_prior
+            scale = pyro.sample("noise_std", dist.InverseGamma(x.new_tensor(a), x.new_tensor(b)))
+        elif self.precision_prior is None:
             scale = x.new_tensor(self.noise_scale)
         else:
             a, b = self.precision_prior

@@ -196,3 +196,24 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="does not fit inputs"):
         mlp_forward([torch.zeros(3, 2)], torch.zeros(1, 3))
     assert model.num_weights == 4 * 50 + 51 * 1
+
+
+def test_fan_out_prior_and_noise_std_prior():
+    """f-POVI's options: per-layer N(0, 1/n_out) weights and InverseGamma on the noise std;
+    the defaults (KIVI's model) are unchanged."""
+    default = BNNRegression(3, hidden_dims=(5,))
+    assert default.prior_scale == 1.0 and default.layer_prior_scales == [1.0, 1.0]
+    model = BNNRegression(3, hidden_dims=(5,), prior_scale="fan_out", precision_prior=None,
+                          noise_std_prior=(1.0, 0.1))
+    assert model.layer_prior_scales == pytest.approx([5**-0.5, 1.0])
+    x, y = torch.randn(4, 3), torch.randn(4)
+    trace = poutine.trace(model).get_trace(x, y)
+    assert "precision" not in trace.nodes
+    assert trace.nodes["layer0"]["fn"].base_dist.scale == pytest.approx(5**-0.5)
+    noise = trace.nodes["noise_std"]
+    assert isinstance(noise["fn"], pyro.distributions.InverseGamma)
+    assert torch.all(trace.nodes["obs"]["fn"].scale == noise["value"])
+    with pytest.raises(ValueError, match="not both"):
+        BNNRegression(3, noise_std_prior=(1.0, 0.1))
+    with pytest.raises(ValueError, match="entries"):
+        BNNRegression(3, hidden_dims=(5,), prior_scale=(1.0,))

@@ -484,3 +484,23 @@ def test_exact_gp_toy_beats_downsampled_baseline(minibatch):
     # (mini-batch, plain SGD with a constant step); mean errors all below 0.05 and 0.075
     assert kl < (1.0 if minibatch else 0.75) * baseline
     assert (f_test.mean(0) - mean).abs().max() < (0.1 if minibatch else 0.05)
+
+
+def test_fpovi_1d_benchmark_smoke(tmp_path):
+    """benchmarks/fpovi_1d.py --smoke runs all three methods and writes the figure."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fpovi_1d.py"
+    spec = importlib.util.spec_from_file_location("fpovi_1d", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    default = torch.get_default_dtype()
+    try:
+        summary = module.main(["--smoke", "--out", str(tmp_path / "fig.png")])
+    finally:
+        torch.set_default_dtype(default)
+    assert (tmp_path / "fig.png").exists()
+    for name in ("f-SVGD", "SVGD", "NUTS"):
+        sd = summary["results"][name]["sd"]
+        assert all(math.isfinite(v) and v >= 0 for v in sd.values())

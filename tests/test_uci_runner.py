@@ -68,3 +68,32 @@ def test_smoke_run_boston_map(runner, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "boston  split  0" in printed
     assert "| boston | 455 | 1 |" in printed
+
+
+def test_fpovi_defaults_follow_the_paper_and_leave_kivi_alone(runner):
+    boston = runner.METHOD_DEFAULTS["fsvgd"]("boston")
+    power = runner.METHOD_DEFAULTS["fsvgd"]("power")
+    assert (boston["batch_size"], boston["epochs"]) == (100, 500)
+    assert (power["batch_size"], power["epochs"]) == (1000, 1000)
+    assert boston["num_particles"] == 20 and boston["lr"] == 4e-3
+    assert boston["noise_std_prior"] == [1.0, 0.1] and boston["precision_prior"] is None
+    assert "kivi" not in runner.METHOD_DEFAULTS and "map" not in runner.METHOD_DEFAULTS
+
+
+@pytest.mark.skipif(not _have_data(), reason="data folder not available")
+@pytest.mark.parametrize("method", ["fsvgd", "wsvgd"])
+def test_smoke_run_boston_particles(runner, tmp_path, method):
+    out = tmp_path / f"uci_{method}.json"
+    results = runner.main(
+        ["--datasets", "boston", "--method", method, "--smoke", "--quiet", "--out", str(out)]
+    )
+    record = results["datasets"]["boston"]
+    split = record["splits"][0]
+    assert math.isfinite(split["rmse"]) and math.isfinite(split["ll"])
+    assert record["config"]["num_particles"] == 20 and record["config"]["epochs"] == 2
+    # --resume keeps the split and runs nothing new
+    again = runner.main(
+        ["--datasets", "boston", "--method", method, "--smoke", "--quiet", "--resume",
+         "--out", str(out)]
+    )
+    assert again["datasets"]["boston"]["splits"][0]["rmse"] == pytest.approx(split["rmse"])
