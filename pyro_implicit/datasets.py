@@ -68,6 +68,18 @@ def _missing(path, what):
     )
 
 
+def data_available():
+    """Whether the data folder (see :func:`data_dir`) exists; for skipping what needs it.
+
+    :rtype: bool
+    """
+    try:
+        data_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def data_dir():
     """The data folder.
 

@@ -9,7 +9,7 @@ import torch
 from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_implicit.datasets import data_dir
+from pyro_implicit.datasets import data_available
 from pyro_implicit.diagnostics.compare import (
     METHODS,
     NUM_PARTICLES,
@@ -115,14 +115,6 @@ def test_compare_rejects_unknown_method(y):
         compare(normal_normal, y, methods=("nope",))
 
 
-def _have_data():
-    try:
-        data_dir()
-    except FileNotFoundError:
-        return False
-    return True
-
-
 _EXPECTED_SHAPES = {
     "eight_schools": {"mu": (), "tau": (), "theta_tilde": (8,)},
     "banana": {"x1": (), "x2": ()},
@@ -134,7 +126,7 @@ _EXPECTED_SHAPES = {
 
 @pytest.mark.parametrize("name", list(BUILTIN_MODELS))
 def test_builtin_models_shapes(name):
-    if name in ("waveform_logistic", "yacht_bnn") and not _have_data():
+    if name in ("waveform_logistic", "yacht_bnn") and not data_available():
         pytest.skip("data folder not available")
     m = load_model(name)
     assert m.name == name

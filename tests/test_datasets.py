@@ -9,6 +9,7 @@ import torch
 from pyro_implicit import datasets
 from pyro_implicit.datasets import (
     UCI_DATASETS,
+    data_available,
     data_dir,
     gaussian_test_ll,
     load_mnist,
@@ -21,15 +22,7 @@ from pyro_implicit.datasets import (
 torch.set_num_threads(1)
 
 
-def _have_data():
-    try:
-        data_dir()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-needs_data = pytest.mark.skipif(not _have_data(), reason="data folder not available")
+needs_data = pytest.mark.skipif(not data_available(), reason="data folder not available")
 
 
 @needs_data

@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+from pyro_implicit.datasets import data_available
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -15,23 +17,13 @@ NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
 NEEDS_DATA = {"semi_implicit_vi.ipynb"}
 
 
-def _have_data():
-    from pyro_implicit.datasets import data_dir
-
-    try:
-        data_dir()
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def test_tutorials_exist():
     assert len(NOTEBOOKS) >= 1, f"no notebooks in {TUTORIALS}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_tutorial_runs_in_smoke_mode(path, monkeypatch):
-    if path.name in NEEDS_DATA and not _have_data():
+    if path.name in NEEDS_DATA and not data_available():
         pytest.skip("data folder not available (set PYRO_IMPLICIT_DATA)")
     monkeypatch.setenv("CI", "1")
     # jupyter_core warns (DeprecationWarning) unless told to use platformdirs already

@@ -8,19 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyro_implicit.datasets import data_dir
+from pyro_implicit.datasets import data_available
 
 torch.set_num_threads(1)
 
 RUNNER = Path(__file__).resolve().parent.parent / "benchmarks" / "uci.py"
-
-
-def _have_data():
-    try:
-        data_dir()
-    except FileNotFoundError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +38,7 @@ def test_defaults_follow_kivi(runner):
     assert "map" in runner.METHODS
 
 
-@pytest.mark.skipif(not _have_data(), reason="data folder not available")
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
 def test_smoke_run_boston_map(runner, tmp_path, capsys):
     out = tmp_path / "uci_map.json"
     results = runner.main(
@@ -80,7 +72,7 @@ def test_fpovi_defaults_follow_the_paper_and_leave_kivi_alone(runner):
     assert "kivi" not in runner.METHOD_DEFAULTS and "map" not in runner.METHOD_DEFAULTS
 
 
-@pytest.mark.skipif(not _have_data(), reason="data folder not available")
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
 @pytest.mark.parametrize("method", ["fsvgd", "wsvgd"])
 def test_smoke_run_boston_particles(runner, tmp_path, method):
     out = tmp_path / f"uci_{method}.json"
