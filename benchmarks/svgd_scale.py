@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import math
-import re
 import subprocess
 import sys
 import time
@@ -40,11 +39,6 @@ def _width_for(dim):
     return max(1, round((-13 + math.sqrt(169 - 4 * (2 - dim))) / 2))
 
 
-def _status():
-    text = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) for k in ("VmHWM", "VmRSS")}
-
-
 def _worker(method, width, particles, steps, warmup, seed):
     import pyro
     import torch
@@ -54,6 +48,7 @@ def _worker(method, width, particles, steps, warmup, seed):
     from pyro.infer import SVGD, RBFSteinKernel
 
     from pyro_implicit.bnn import BNNRegression
+    from pyro_implicit.diagnostics.memory import PeakMemory
     from pyro_implicit.particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
     def build(model, num_particles):
@@ -75,17 +70,15 @@ def _worker(method, width, particles, steps, warmup, seed):
     gc.collect()
     model = BNNRegression(10, (width, width))
     latent_dim = model.num_weights + 1
-    base = _status()["VmRSS"]
-    Path("/proc/self/clear_refs").write_text("5")
-    inference = build(model, particles)
-    for _ in range(warmup):
-        inference.step(x, y)
-    start = time.perf_counter()
-    for _ in range(steps):
-        inference.step(x, y)
-    seconds = (time.perf_counter() - start) / steps
-    peak = _status()["VmHWM"] - base
-    return {"ms": 1000 * seconds, "peak_mb": peak / 1024, "latent_dim": latent_dim}
+    with PeakMemory() as memory:
+        inference = build(model, particles)
+        for _ in range(warmup):
+            inference.step(x, y)
+        start = time.perf_counter()
+        for _ in range(steps):
+            inference.step(x, y)
+        seconds = (time.perf_counter() - start) / steps
+    return {"ms": 1000 * seconds, "peak_mb": memory.peak_mb, "latent_dim": latent_dim}
 
 
 def _run(method, dim, args):

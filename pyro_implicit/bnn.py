@@ -24,6 +24,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
+from pyro.distributions import constraints
 
 __all__ = ["BNNClassification", "BNNRegression", "mlp_forward"]
 
@@ -216,6 +217,10 @@ class BNNRegression(_BNNBase):
     :param noise_std_prior: ``(a, b)`` of an inverse-Gamma prior on the noise standard
         deviation (site ``"noise_std"``); needs ``precision_prior=None``.
     :type noise_std_prior: tuple[float, float] or None
+    :param bool learn_noise: make the noise standard deviation a Pyro parameter
+        ``"noise_scale"`` (initialised at ``noise_scale``) that SVI fits by maximising the
+        ELBO: type-II maximum likelihood, LIVI's regression setting (Uppal et al. 2023,
+        Sec. 6.2-6.3). Needs ``precision_prior=None`` and ``noise_std_prior=None``.
     """
 
     def __init__(
@@ -227,8 +232,13 @@ class BNNRegression(_BNNBase):
         precision_prior=(6.0, 6.0),
         noise_scale=1.0,
         noise_std_prior=None,
+        learn_noise=False,
     ):
         super().__init__(in_dim, 1, hidden_dims, activation, prior_scale)
+        if learn_noise and (precision_prior is not None or noise_std_prior is not None):
+            raise ValueError("learn_noise=True fits the noise scale as a parameter; it needs "
+                             "precision_prior=None and noise_std_prior=None.")
+        self.learn_noise = bool(learn_noise)
         if noise_std_prior is not None:
             if precision_prior is not None:
                 raise ValueError("give precision_prior or noise_std_prior, not both.")
@@ -276,6 +286,9 @@ class BNNRegression(_BNNBase):
         if self.noise_std_prior is not None:
             a, b = self.noise_std_prior
             scale = pyro.sample("noise_std", dist.InverseGamma(x.new_tensor(a), x.new_tensor(b)))
+        elif self.learn_noise:
+            scale = pyro.param("noise_scale", lambda: x.new_tensor(self.noise_scale),
+                               constraint=constraints.positive)
         elif self.precision_prior is None:
             scale = x.new_tensor(self.noise_scale)
         else:

@@ -217,3 +217,26 @@ def test_fan_out_prior_and_noise_std_prior():
         BNNRegression(3, noise_std_prior=(1.0, 0.1))
     with pytest.raises(ValueError, match="entries"):
         BNNRegression(3, hidden_dims=(5,), prior_scale=(1.0,))
+
+
+def test_learned_noise_is_the_maximum_likelihood_scale():
+    """learn_noise=True: the noise scale is a positive Pyro parameter; with the weights fixed
+    at zero (f = 0) maximising the likelihood must give sqrt(mean(y^2))."""
+    pyro.clear_param_store()
+    model = BNNRegression(2, hidden_dims=(3,), precision_prior=None, noise_scale=1.0,
+                          learn_noise=True)
+    x = torch.randn(50, 2, dtype=F64)
+    y = 0.3 * torch.randn(50, dtype=F64)
+    zeros = {"layer0": torch.zeros(3, 3, dtype=F64), "layer1": torch.zeros(4, 1, dtype=F64)}
+    fixed = poutine.condition(model, data=zeros)
+    svi = pyro.infer.SVI(fixed, lambda x, y: None, pyro.optim.Adam({"lr": 0.05}),
+                         pyro.infer.Trace_ELBO())
+    for _ in range(400):
+        svi.step(x, y)
+    expected = y.pow(2).mean().sqrt()
+    assert pyro.param("noise_scale").item() == pytest.approx(expected.item(), rel=1e-3)
+    trace = poutine.trace(model).get_trace(x, y)
+    assert "noise_scale" in trace.nodes and "precision" not in trace.nodes
+    with pytest.raises(ValueError, match="learn_noise"):
+        BNNRegression(2, learn_noise=True)  # the default Gamma precision prior
+    pyro.clear_param_store()

@@ -89,3 +89,22 @@ def test_smoke_run_boston_particles(runner, tmp_path, method):
          "--out", str(out)]
     )
     assert again["datasets"]["boston"]["splits"][0]["rmse"] == pytest.approx(split["rmse"])
+
+
+def test_livi_defaults(runner):
+    det = runner.METHOD_DEFAULTS["livi"]("boston")
+    svd = runner.METHOD_DEFAULTS["livi_svd"]("naval")
+    assert det["bound"] == "det" and svd["bound"] == "svd"
+    assert det["learn_noise"] and det["precision_prior"] is None and det["hidden_dims"] == [50]
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+@pytest.mark.parametrize("method", ["livi", "livi_svd"])
+def test_smoke_run_boston_livi(runner, tmp_path, method):
+    out = tmp_path / f"uci_{method}.json"
+    results = runner.main(
+        ["--datasets", "boston", "--method", method, "--smoke", "--quiet", "--out", str(out)]
+    )
+    split = results["datasets"]["boston"]["splits"][0]
+    assert math.isfinite(split["rmse"]) and math.isfinite(split["ll"])
+    assert split["num_samples"] == 4

@@ -4,6 +4,7 @@
   against NUTS in one :class:`ComparisonResult` (table, DataFrame, JSON-able dict).
 * :mod:`.metrics`: the sample-based discrepancies behind the table.
 * :mod:`.nuts`: :func:`run_nuts`, the reference sampler.
+* :mod:`.memory`: :class:`PeakMemory`, the peak-memory column of comparisons and benchmarks.
 * :mod:`.arviz`: :func:`to_inference_data` for NUTS, guides, particles and draws, so
   ``az.summary``, ``az.loo`` and ``az.compare`` work on every method.
 * :mod:`.plots`: pair plots over NUTS, loss curves, regression predictive bands
@@ -12,6 +13,7 @@
 
 from .arviz import comparison_to_inference_data, predictive_samples, to_inference_data
 from .compare import METHODS, ComparisonResult, MethodResult, compare, posterior_draws
+from .memory import PeakMemory
 from .metrics import compare_samples
 from .nuts import NUTSResult, run_nuts
 
@@ -20,6 +22,7 @@ __all__ = [
     "ComparisonResult",
     "MethodResult",
     "NUTSResult",
+    "PeakMemory",
     "compare",
     "compare_samples",
     "comparison_to_inference_data",

@@ -76,6 +76,7 @@ from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRa
 from ..elbo.gpvi import gpvi_generator
 from ..guides import ImplicitAutoGuide, ImplicitGuide, LinearizedGuide, SemiImplicitGuide
 from ..particles import ParticleInference, WeightSpaceSVGD
+from .memory import PeakMemory
 from .metrics import compare_samples
 from .nuts import NUTSResult, check_continuous_latents, run_nuts
 
@@ -220,6 +221,9 @@ class MethodResult:
     :ivar dict metrics: :func:`~pyro_implicit.diagnostics.metrics.compare_samples` against
         the NUTS draws.
     :ivar float wall_time: seconds to fit and draw (to draw only if passed in fitted).
+    :ivar float peak_mb: rise of memory use while fitting and drawing, MiB
+        (:class:`~pyro_implicit.diagnostics.memory.PeakMemory`; ``nan`` where it cannot
+        be measured).
     :ivar list losses: one value per step (see ``loss_label``); empty if passed in fitted.
     :ivar float lr: initial learning rate (``nan`` if passed in fitted).
     :ivar str description: what the method is.
@@ -241,6 +245,7 @@ class MethodResult:
     loss_label: str = "loss (-ELBO estimate)"
     fitted_here: bool = True
     approximation: object = dataclasses.field(default=None, repr=False)
+    peak_mb: float = math.nan
 
     @property
     def num_draws(self):
@@ -258,23 +263,28 @@ class ComparisonResult:
         against the second half (chain 1 against chain 2 for two chains): the Monte Carlo
         noise floor of every column.
     :ivar dict settings: the arguments the comparison ran with.
+    :ivar float nuts_peak_mb: rise of memory use during the NUTS run, MiB (``nan`` for a
+        reused reference).
     """
 
     methods: dict
     nuts: NUTSResult
     nuts_metrics: dict
     settings: dict
+    nuts_peak_mb: float = math.nan
 
     # ------------------------------------------------------------------ rows
     def rows(self):
         """One dict per row (the methods, then NUTS) with the joint summaries.
 
         :return: list of ``{"method", "mean_error_max", "sd_ratio_min", "sd_ratio_max",
-            "w1_max", "energy_distance", "correlation_error_max", "seconds"}``.
+            "w1_max", "energy_distance", "correlation_error_max", "seconds", "peak_mb"}``.
         :rtype: list[dict]
         """
-        out = [_row(name, r.metrics, r.wall_time) for name, r in self.methods.items()]
-        out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time))
+        out = [_row(name, r.metrics, r.wall_time, r.peak_mb)
+               for name, r in self.methods.items()]
+        out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time,
+                        self.nuts_peak_mb))
         return out
 
     def site_rows(self):
@@ -371,7 +381,7 @@ class ComparisonResult:
         cells = _format(row)
         r = self.methods.get(row["method"])
         if r is not None and not r.fitted_here:
-            cells = cells[:-1] + (cells[-1] + "*",)
+            cells = cells[:-2] + (cells[-2] + "*", cells[-1])
         return cells
 
     # ------------------------------------------------------------------ data
@@ -412,6 +422,7 @@ class ComparisonResult:
                     "num_draws": r.num_draws,
                     "lr": r.lr,
                     "wall_time": r.wall_time,
+                    "peak_mb": r.peak_mb,
                     "fitted_here": r.fitted_here,
                     "loss_label": r.loss_label,
                     "losses": [float(x) for x in r.losses],
@@ -423,6 +434,7 @@ class ComparisonResult:
                 "num_chains": int(first.shape[0]),
                 "num_samples": int(first.shape[1]),
                 "wall_time": nuts.wall_time,
+                "peak_mb": self.nuts_peak_mb,
                 "max_r_hat": nuts.max_r_hat,
                 "min_ess": nuts.min_ess,
                 "num_divergences": int(nuts.num_divergences),
@@ -439,12 +451,14 @@ class ComparisonResult:
         }
 
 
-_HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "seconds")
+_HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "seconds",
+           "peak MB")
 _KEY = (
     "mean err: max |mean - NUTS mean| / NUTS sd; sd ratio: min-max of sd / NUTS sd; "
     "W1 max: largest marginal 1-Wasserstein in NUTS sds; energy: energy distance of the "
     "standardised joint; corr err: largest correlation difference. Row 'nuts': first half "
-    "of its draws against the second half (Monte Carlo noise floor)."
+    "of its draws against the second half (Monte Carlo noise floor). seconds: wall time of "
+    "fit and draws; peak MB: rise of the process's peak memory during them."
 )
 
 
@@ -489,7 +503,7 @@ def _plain(x):
     return repr(x)
 
 
-def _row(name, metrics, seconds):
+def _row(name, metrics, seconds, peak_mb):
     joint = metrics["joint"]
     return {
         "method": name,
@@ -500,6 +514,7 @@ def _row(name, metrics, seconds):
         "energy_distance": joint["energy_distance"],
         "correlation_error_max": joint["correlation_error_max"],
         "seconds": seconds,
+        "peak_mb": peak_mb,
     }
 
 
@@ -515,6 +530,7 @@ def _format(row):
         f(row["energy_distance"], 3),
         f(row["correlation_error_max"]),
         f(row["seconds"], 1),
+        f(row["peak_mb"], 1),
     )
 
 
@@ -826,11 +842,13 @@ def compare(
         ran_nuts = True
         _say(progress, f"NUTS: {run_kwargs['num_chains']} chain(s) x "
                        f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup")
-        nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=mpn,
-                        progress_bar=progress, **run_kwargs, **kwargs)
+        with PeakMemory() as nuts_memory:
+            nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=mpn,
+                            progress_bar=progress, **run_kwargs, **kwargs)
         _say(progress, f"  done in {nuts.wall_time:.1f} s")
     else:
         ran_nuts = False
+        nuts_memory = PeakMemory()  # not measured: peak_mb stays nan
         if not isinstance(nuts, NUTSResult):
             nuts = nuts_result_from_mcmc(nuts)
     sites = [s for s in shapes if s in nuts.samples]
@@ -842,13 +860,17 @@ def compare(
         _say(progress, f"{label}: {num_steps} steps, lr {lrs[label]:g}")
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
-        start = time.perf_counter()
-        fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn, progress)
-        samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn, shapes)
-        wall = time.perf_counter() - start
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn,
+                                 progress)
+            samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn,
+                                            shapes)
+            wall = time.perf_counter() - start
         results[label] = MethodResult(
             label, samples, None, wall, trace, lrs[label], description=method.description,
             kind=kind, loss_label=method.trace_label, approximation=fitted,
+            peak_mb=memory.peak_mb,
         )
         window = trace[-max(1, num_steps // 10):]
         _say(progress, f"  done in {wall:.1f} s; last {len(window)} steps' mean "
@@ -871,7 +893,8 @@ def compare(
         "max_plate_nesting": mpn,
         "lr": lrs,
     }
-    return ComparisonResult(ordered, nuts, _split_metrics(nuts), settings)
+    return ComparisonResult(ordered, nuts, _split_metrics(nuts), settings,
+                            nuts_peak_mb=nuts_memory.peak_mb)
 
 
 def _split_metrics(nuts):
