@@ -12,6 +12,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_implicit import ImplicitGuide, KernelRatioELBO
+from pyro_implicit.datasets import data_available
 from pyro_implicit.elbo.livi import (
     LIVI_ELBO,
     jacobian,
@@ -337,3 +338,47 @@ def test_svd_bound_step_at_large_latent_size():
     assert math.isfinite(loss)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.parameters())
     assert elbo.diagnostics["smallest_singular_value"] > 0
+
+
+def _livi_benchmark(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scale_benchmark_smoke(tmp_path):
+    record = _livi_benchmark("livi_scale").main(
+        ["--smoke", "--out", str(tmp_path / "s.json"), "--figure", str(tmp_path / "s.png")])
+    assert (tmp_path / "s.png").exists() and (tmp_path / "s.json").exists()
+    rows = record["results"]
+    assert [r["sweep"] for r in rows] == ["D", "d", "d"]
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["loss_finite"] and r["seconds_per_step"] > 0
+    h = rows[0]["width"]
+    assert rows[0]["latent_dim"] == h * h + 13 * h + 1 and abs(rows[0]["latent_dim"] - 300) < 30
+
+
+def test_toy_benchmark_smoke(tmp_path):
+    default = torch.get_default_dtype()
+    try:
+        record = _livi_benchmark("livi_toy").main(["--smoke", "--figure", str(tmp_path / "t.png")])
+    finally:
+        torch.set_default_dtype(default)
+    assert (tmp_path / "t.png").exists()
+    assert record["results"]["NUTS"]["mean_rmse_vs_nuts"] == 0.0
+    for r in record["results"].values():
+        assert all(r[k] >= 0 for k in ("sd_gap", "sd_data", "sd_outside"))
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_mnist_benchmark_smoke():
+    record = _livi_benchmark("livi_mnist").main(["--smoke", "--quiet"])
+    for r in record["results"]:
+        assert 0 <= r["test"]["accuracy"] <= 1 and r["test"]["nll"] > 0
+        assert set(r["ood"]) == {"rotated 90", "uniform noise"}
