@@ -33,10 +33,12 @@ import time
 from pathlib import Path
 
 import pyro
+import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_sample
+from pyro.poutine.messenger import Messenger
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 try:
@@ -61,9 +63,48 @@ def make_method(name, model, args):
     if name == "livi":
         guide = LinearizedGuide(model, generator="scalable", sigma=1e-3,
                                 init_loc_fn=init_to_sample, init_scale=args.init_scale)
-        return guide, LIVI_ELBO(num_particles=2, bound="svd", max_plate_nesting=1)
+        return guide, LIVI_ELBO(num_particles=2, bound="svd", max_plate_nesting=1,
+                                entropy_weight=getattr(args, "entropy_weight", 1.0),
+                                prior_weight=getattr(args, "prior_weight", 1.0))
     guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=args.init_scale)
-    return guide, Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
+    options = {"num_particles": 2, "vectorize_particles": True, "max_plate_nesting": 1}
+    entropy_weight = getattr(args, "entropy_weight", 1.0)
+    prior_weight = getattr(args, "prior_weight", 1.0)
+    if entropy_weight == prior_weight == 1.0:
+        return guide, Trace_ELBO(**options)
+    return guide, _TemperedELBO(model.layer_names, entropy_weight, prior_weight, **options)
+
+
+class _ScaleSites(Messenger):
+    """Multiply the log-density of the named sites by ``scale``."""
+
+    def __init__(self, names, scale):
+        super().__init__()
+        self.names, self.scale = set(names), scale
+
+    def _process_message(self, msg):
+        if msg["name"] in self.names:
+            msg["scale"] = msg["scale"] * self.scale
+
+
+class _TemperedELBO(Trace_ELBO):
+    """The same tempering for a Gaussian guide: weight ``prior_weight`` on the weights'
+    prior log-density and ``entropy_weight`` on -log q (the guide's log-density), so that
+    both guides optimise the same objective."""
+
+    def __init__(self, names, entropy_weight, prior_weight, **kwargs):
+        super().__init__(**kwargs)
+        self.names, self.entropy_weight, self.prior_weight = names, entropy_weight, prior_weight
+
+    def _wrap(self, model, guide):
+        return (_ScaleSites(self.names, self.prior_weight)(model),
+                poutine.scale(guide, scale=self.entropy_weight))
+
+    def loss_and_grads(self, model, guide, *args, **kwargs):
+        return super().loss_and_grads(*self._wrap(model, guide), *args, **kwargs)
+
+    def loss(self, model, guide, *args, **kwargs):
+        return super().loss(*self._wrap(model, guide), *args, **kwargs)
 
 
 def ood_inputs(x_test, seed):
@@ -172,6 +213,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--init-scale", type=float, default=1e-2,
                    help="initial spread of both guides around the initial weights")
+    p.add_argument("--entropy-weight", type=float, default=1.0,
+                   help="tempering of the entropy, for both methods (1: the paper's ELBO; "
+                        "the authors' code uses N/B)")
+    p.add_argument("--prior-weight", type=float, default=1.0,
+                   help="tempering of the weights' prior, for both methods (1: the "
+                        "paper's ELBO; the authors' code uses 8.5e-4 N/B)")
     p.add_argument("--draws", type=int, default=100, help="posterior draws per prediction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
