@@ -6,6 +6,11 @@ Usage::
     python benchmarks/uci_report.py benchmarks/results/uci_kivi_part*.json \
         --title "KIVI (ImplicitGuide + KernelRatioELBO)" --paper kivi \
         --out benchmarks/results/uci.md
+
+With ``--section NAME`` the report replaces only the part of ``--out`` between the lines
+``<!-- uci_report NAME -->`` and ``<!-- /uci_report NAME -->`` (appended if absent, heading
+one level down), so that prose written around the tables survives a regeneration;
+``benchmarks/make_uci_reports.sh`` regenerates every UCI table this way.
 """
 
 import argparse
@@ -153,15 +158,41 @@ def report(paths, title, paper=None):
     return "\n".join(lines) + "\n"
 
 
+def replace_section(document, name, text):
+    """``document`` with the part between the markers of section ``name`` set to ``text``.
+
+    :param str document: the Markdown file's current text.
+    :param str name: the section's name in its ``<!-- uci_report NAME -->`` markers.
+    :param str text: the new content of the section.
+    :rtype: str
+    """
+    begin, end = f"<!-- uci_report {name} -->", f"<!-- /uci_report {name} -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in document:
+        head, rest = document.split(begin, 1)
+        if end not in rest:
+            raise ValueError(f"section {name!r} has no end marker {end!r}")
+        return head + block + rest.split(end, 1)[1]
+    return document.rstrip() + "\n\n" + block + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="JSON files written by benchmarks/uci.py")
     parser.add_argument("--title", default="results")
     parser.add_argument("--paper", choices=sorted(PAPERS), default=None)
     parser.add_argument("--out", default=None, help="write the Markdown here (else print)")
+    parser.add_argument("--section", default=None,
+                        help="replace only this named section of --out (see the module doc)")
     args = parser.parse_args(argv)
+    if args.section and not args.out:
+        parser.error("--section needs --out")
     text = report(args.paths, args.title, args.paper)
-    if args.out:
+    if args.section:
+        out = Path(args.out)
+        document = out.read_text() if out.exists() else ""
+        out.write_text(replace_section(document, args.section, "#" + text))
+    elif args.out:
         Path(args.out).write_text(text)
     else:
         print(text)

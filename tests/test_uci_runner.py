@@ -108,3 +108,41 @@ def test_smoke_run_boston_livi(runner, tmp_path, method):
     split = results["datasets"]["boston"]["splits"][0]
     assert math.isfinite(split["rmse"]) and math.isfinite(split["ll"])
     assert split["num_samples"] == 4
+
+
+@pytest.fixture(scope="module")
+def reporter():
+    path = RUNNER.parent / "uci_report.py"
+    spec = importlib.util.spec_from_file_location("uci_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_run(rmses):
+    splits = [{"split": i, "rmse": r, "ll": -r, "seconds": 1.0} for i, r in enumerate(rmses)]
+    return {"command": "python benchmarks/uci.py ...", "started": "now", "resumed": [],
+            "versions": {"torch": "t", "pyro": "p"}, "threads": 1, "dtype": "float32",
+            "datasets": {"boston": {"splits": splits, "config": {"epochs": 1}}}}
+
+
+def test_report_statistics_and_section_update(reporter, tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_fake_run([1.0, 2.0, 3.0])))
+    text = reporter.report([str(run)], "t", paper="kivi")
+    # mean 2, sd 1, se 1/sqrt(3), and the paper's boston row beside it
+    assert "| boston | 3 | 2.000 ± 0.577 | 1.000 | -2.000 ± 0.577 | 1.000 | 1 |" in text
+    assert "2.798 ± 0.173" in text
+
+    out = tmp_path / "report.md"
+    out.write_text("# Title\n\nProse that must survive.\n")
+    reporter.main([str(run), "--out", str(out), "--section", "a"])
+    run.write_text(json.dumps(_fake_run([4.0, 6.0])))
+    reporter.main([str(run), "--out", str(out), "--section", "a"])
+    document = out.read_text()
+    assert document.startswith("# Title\n\nProse that must survive.\n")
+    assert document.count("<!-- uci_report a -->") == 1
+    assert "| boston | 2 | 5.000 ± 1.000 |" in document and "| boston | 3 |" not in document
+    assert "\n## UCI regression: results" in document
+    with pytest.raises(ValueError, match="no end marker"):
+        reporter.replace_section("<!-- uci_report a -->", "a", "x")

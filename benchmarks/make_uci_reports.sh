@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Regenerate every UCI table in benchmarks/results/*.md from the JSON files the runs wrote.
+# Only the marked sections change (see benchmarks/uci_report.py --section); the prose
+# around them is written by hand and must be checked against the new numbers.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+R=benchmarks/results
+report() { python benchmarks/uci_report.py "$@"; }
+
+report $R/uci_kivi_part1.json $R/uci_kivi_part2.json --paper kivi \
+  --title "KIVI (ImplicitGuide + KernelRatioELBO, paper settings)" \
+  --out $R/uci.md --section kivi
+report $R/uci_fsvgd.json $R/uci_fsvgd_large.json --paper fsvgd \
+  --title "f-SVGD (FunctionSpaceSVGD), f-POVI UCI settings" \
+  --out $R/uci_fsvgd.md --section fsvgd
+report $R/uci_fsvgd_wsvgd.json --paper wsvgd \
+  --title "weight-space SVGD (WeightSpaceSVGD), same model and settings" \
+  --out $R/uci_fsvgd.md --section wsvgd
+report $R/uci_livi.json --paper livi \
+  --title "LIVI, bound L' (log-determinant, eq. 15)" --out $R/livi.md --section livi
+report $R/uci_livi_svd.json --paper livi_svd \
+  --title "LIVI, bound L'' (smallest singular value, eqs. 17-18)" \
+  --out $R/livi.md --section livi_svd
