@@ -21,3 +21,9 @@ report $R/uci_livi.json --paper livi \
 report $R/uci_livi_svd.json --paper livi_svd \
   --title "LIVI, bound L'' (smallest singular value, eqs. 17-18)" \
   --out $R/livi.md --section livi_svd
+report $R/uci_livi_600ep.json --paper livi \
+  --title "LIVI, bound L', 600 / 100 epochs (under-trained, kept for the record)" \
+  --out $R/livi.md --section livi_600ep
+report $R/uci_livi_svd_600ep.json --paper livi_svd \
+  --title "LIVI, bound L'', 600 / 100 epochs (under-trained, kept for the record)" \
+  --out $R/livi.md --section livi_svd_600ep

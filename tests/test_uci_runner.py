@@ -96,6 +96,8 @@ def test_livi_defaults(runner):
     svd = runner.METHOD_DEFAULTS["livi_svd"]("naval")
     assert det["bound"] == "det" and svd["bound"] == "svd"
     assert det["learn_noise"] and det["precision_prior"] is None and det["hidden_dims"] == [50]
+    # the paper follows KIVI's UCI set-up: KIVI's epochs
+    assert det["epochs"] == 3000 and svd["epochs"] == 500
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
