@@ -184,10 +184,17 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the Markdown here (else print)")
     parser.add_argument("--section", default=None,
                         help="replace only this named section of --out (see the module doc)")
+    parser.add_argument("--missing-ok", action="store_true",
+                        help="leave out result files that do not exist yet (a report of none "
+                        "says so)")
     args = parser.parse_args(argv)
     if args.section and not args.out:
         parser.error("--section needs --out")
-    text = report(args.paths, args.title, args.paper)
+    paths = [p for p in args.paths if Path(p).exists()] if args.missing_ok else args.paths
+    if paths:
+        text = report(paths, args.title, args.paper)
+    else:
+        text = f"# UCI regression: {args.title}\n\nNo split has been run yet.\n"
     if args.section:
         out = Path(args.out)
         document = out.read_text() if out.exists() else ""

@@ -146,5 +146,9 @@ def test_report_statistics_and_section_update(reporter, tmp_path):
     assert document.count("<!-- uci_report a -->") == 1
     assert "| boston | 2 | 5.000 ± 1.000 |" in document and "| boston | 3 |" not in document
     assert "\n## UCI regression: results" in document
+    # a result file not written yet: the section says so instead of keeping stale numbers
+    missing = str(tmp_path / "not_yet.json")
+    reporter.main([missing, "--missing-ok", "--out", str(out), "--section", "a"])
+    assert "No split has been run yet." in out.read_text() and "| boston |" not in out.read_text()
     with pytest.raises(ValueError, match="no end marker"):
         reporter.replace_section("<!-- uci_report a -->", "a", "x")
