@@ -28,3 +28,6 @@ report $R/uci_livi_600ep.json --paper livi \
 report $R/uci_livi_svd_600ep.json --paper livi_svd \
   --title "LIVI, bound L'', 600 / 100 epochs (under-trained, kept for the record)" \
   --out $R/livi.md --section livi_svd_600ep
+report $R/uci_kivi_adaptive_contrast.json --paper kivi \
+  --title "KIVI with adaptive contrast (KernelRatioELBO(adaptive_contrast=\"diag\"))" \
+  --out $R/uci.md --section kivi_adaptive_contrast

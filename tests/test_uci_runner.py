@@ -152,3 +152,14 @@ def test_report_statistics_and_section_update(reporter, tmp_path):
     assert "No split has been run yet." in out.read_text() and "| boston |" not in out.read_text()
     with pytest.raises(ValueError, match="no end marker"):
         reporter.replace_section("<!-- uci_report a -->", "a", "x")
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_kivi_collapse_smoke(capsys):
+    path = RUNNER.parent / "kivi_collapse.py"
+    spec = importlib.util.spec_from_file_location("kivi_collapse", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--dataset", "yacht", "--steps", "2", "--every", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 2 and "precision median" in lines[-1] and "'layer0'" in lines[-1]
