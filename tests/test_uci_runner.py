@@ -163,3 +163,16 @@ def test_kivi_collapse_smoke(capsys):
     module.main(["--dataset", "yacht", "--steps", "2", "--every", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert len(lines) == 2 and "precision median" in lines[-1] and "'layer0'" in lines[-1]
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_smoke_run_kivi_with_the_papers_gamma_precision(runner, tmp_path):
+    out = tmp_path / "uci_kivi_gamma.json"
+    argv = ["--datasets", "boston", "--method", "kivi", "--smoke", "--quiet", "--out", str(out)]
+    results = runner.main(argv + ["--set", 'precision_q="gamma"'])
+    record = results["datasets"]["boston"]
+    assert record["config"]["precision_q"] == "gamma"
+    split = record["splits"][0]
+    assert math.isfinite(split["rmse"]) and math.isfinite(split["ll"])
+    with pytest.raises(ValueError, match="precision_q must be"):
+        runner.main(argv + ["--set", 'precision_q="beta"', "--out", str(tmp_path / "x.json")])
