@@ -31,3 +31,6 @@ report $R/uci_livi_svd_600ep.json --paper livi_svd \
 report $R/uci_kivi_adaptive_contrast.json --paper kivi \
   --title "KIVI with adaptive contrast (KernelRatioELBO(adaptive_contrast=\"diag\"))" \
   --out $R/uci.md --section kivi_adaptive_contrast
+report $R/uci_kivi_gamma_precision.json --paper kivi \
+  --title "KIVI with the paper's explicit Gamma q for the noise precision (precision_q=\"gamma\")" \
+  --out $R/uci.md --section kivi_gamma_precision
