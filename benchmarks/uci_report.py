@@ -94,7 +94,7 @@ def _stats(values):
 
 
 def _fmt(mean, spread, digits=3):
-    if mean is None:
+    if mean is None or not math.isfinite(mean):  # e.g. the sd of a single split
         return "n/a"
     if spread is None or not math.isfinite(spread):
         return f"{mean:.{digits}f}"
