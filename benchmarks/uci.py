@@ -148,6 +148,10 @@ def _livi_defaults(name):
 
 #: per-method changes to :data:`DEFAULTS` (methods not listed use DEFAULTS as they are)
 METHOD_DEFAULTS = {
+    # KIVI's App. E: an explicit Gamma q for the noise precision (exact KL term). An implicit
+    # generator for it lets the precision run away (benchmarks/results/kivi_collapse.md);
+    # the earlier runs made that way (``precision_q="implicit"``) are in uci_kivi_part*.json.
+    "kivi": lambda name: {"precision_q": "gamma"},
     "fsvgd": _fpovi_defaults,
     "wsvgd": _fpovi_defaults,
     "livi": _livi_defaults,
@@ -289,9 +293,10 @@ def fit_kivi(split, config, seed, progress):
     """KIVI (Shi et al., 2018): layer-wise implicit posterior (``ImplicitGuide`` with
     per-site MLP generators of the paper's Table 3 sizes) trained with
     ``KernelRatioELBO`` (n_p = n_q = 100, lambda = 1e-3, clip 1e-8) and Adam, minibatches
-    of ``batch_size`` scaled by the data plate. The noise precision gets an implicit
-    generator of its own by default; ``precision_q="gamma"`` gives it the paper's explicit
-    Gamma q with an exact KL term instead (App. E; ``KernelRatioELBO(exact_sites=...)``).
+    of ``batch_size`` scaled by the data plate. The noise precision gets the paper's
+    explicit Gamma q with an exact KL term (App. E; ``KernelRatioELBO(exact_sites=...)``;
+    ``precision_q="gamma"``, the runner's default for KIVI) or, with
+    ``precision_q="implicit"``, a small implicit generator of its own.
 
     See :func:`fit_map` for the signature; returns ``num_samples`` posterior draws.
     """

@@ -36,6 +36,8 @@ def test_defaults_follow_kivi(runner):
     assert runner.DEFAULTS["protein"]["hidden_dims"] == [100]
     assert runner.DEFAULTS["wine"]["batch_size"] == 100
     assert "map" in runner.METHODS
+    # the paper's explicit Gamma q for the noise precision (App. E)
+    assert runner.METHOD_DEFAULTS["kivi"]("boston") == {"precision_q": "gamma"}
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
@@ -69,7 +71,9 @@ def test_fpovi_defaults_follow_the_paper_and_leave_kivi_alone(runner):
     assert (power["batch_size"], power["epochs"]) == (1000, 1000)
     assert boston["num_particles"] == 20 and boston["lr"] == 4e-3
     assert boston["noise_std_prior"] == [1.0, 0.1] and boston["precision_prior"] is None
-    assert "kivi" not in runner.METHOD_DEFAULTS and "map" not in runner.METHOD_DEFAULTS
+    # KIVI keeps DEFAULTS' training settings; it only adds its precision's q
+    assert set(runner.METHOD_DEFAULTS["kivi"]("boston")) == {"precision_q"}
+    assert "map" not in runner.METHOD_DEFAULTS
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
