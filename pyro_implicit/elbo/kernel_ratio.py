@@ -270,7 +270,6 @@ class KernelRatioELBO(ImplicitELBO):
         # coincide here.
         return -elbo.detach(), -elbo
 
-
     def _exact_term(self, latents, guide_trace):
         r""":math:`\mathbb E_q[\log p(z) - \log q(z)]` over :attr:`exact_sites`, from the
         densities in the two traces (their sum over particles, averaged)."""
