@@ -4,6 +4,7 @@
 #
 #   benchmarks/run_uci.sh kivi benchmarks/results/uci_kivi_part1.json wine yacht boston
 #   benchmarks/run_uci.sh kivi benchmarks/results/uci_kivi_part2.json energy concrete
+#   FIRST_SPLIT=5 benchmarks/run_uci.sh fsvgd OUT2 kin8nm naval   # splits 5.. in a 2nd file
 #   python benchmarks/uci_report.py benchmarks/results/uci_kivi_part*.json --paper kivi \
 #       --title "KIVI (ImplicitGuide + KernelRatioELBO)" --out benchmarks/results/uci.md
 set -euo pipefail
@@ -11,7 +12,7 @@ method=$1
 out=$2
 shift 2
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-for k in $(seq 0 19); do
+for k in $(seq "${FIRST_SPLIT:-0}" 19); do
   for d in "$@"; do
     python benchmarks/uci.py --method "$method" --datasets "$d" --splits "$k" --resume \
       --quiet --out "$out"
