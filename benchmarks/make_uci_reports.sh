@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every UCI table in benchmarks/results/*.md from the JSON files the runs wrote.
+# A data set whose splits are spread over several files (parallel runs) gets one row.
 # Only the marked sections change (see benchmarks/uci_report.py --section); the prose
 # around them is written by hand and must be checked against the new numbers.
 set -euo pipefail
@@ -14,7 +15,7 @@ report $R/uci_kivi_gamma_precision.json $R/uci_kivi_gamma_precision_part2.json -
 report $R/uci_kivi_part1.json $R/uci_kivi_part2.json --paper kivi \
   --title "KIVI with an implicit q for the noise precision (earlier runs)" \
   --out $R/uci.md --section kivi_implicit_precision
-report $R/uci_fsvgd.json $R/uci_fsvgd_large.json --paper fsvgd \
+report $R/uci_fsvgd.json $R/uci_fsvgd_large.json $R/uci_fsvgd_large_part2.json --paper fsvgd \
   --title "f-SVGD (FunctionSpaceSVGD), f-POVI UCI settings" \
   --out $R/uci_fsvgd.md --section fsvgd
 report $R/uci_fsvgd_wsvgd.json --paper wsvgd \

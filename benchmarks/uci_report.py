@@ -10,7 +10,8 @@ Usage::
 With ``--section NAME`` the report replaces only the part of ``--out`` between the lines
 ``<!-- uci_report NAME -->`` and ``<!-- /uci_report NAME -->`` (appended if absent, heading
 one level down), so that prose written around the tables survives a regeneration;
-``benchmarks/make_uci_reports.sh`` regenerates every UCI table this way.
+``benchmarks/make_uci_reports.sh`` regenerates every UCI table this way. The splits of a
+data set spread over several files (runs in parallel processes) are merged into one row.
 """
 
 import argparse
@@ -101,6 +102,38 @@ def _fmt(mean, spread, digits=3):
     return f"{mean:.{digits}f} ± {spread:.{digits}f}"
 
 
+def merge_datasets(runs, paths):
+    """The splits of each data set, gathered from every result file, in first-seen order.
+
+    Splits of one data set may be spread over several files (runs in parallel processes
+    each write their own file); they must have the same configuration and no split may
+    appear twice.
+
+    :param list runs: the loaded result files.
+    :param list paths: their paths, for the error messages.
+    :returns: ``{name: (config, splits)}`` for the data sets with at least one split.
+    :raises ValueError: on a configuration mismatch or a repeated split.
+    """
+    merged = {}
+    for run, path in zip(runs, paths, strict=True):
+        for name, record in run["datasets"].items():
+            if not record["splits"]:
+                continue
+            if name not in merged:
+                merged[name] = (record["config"], [], path)
+            config, splits, first = merged[name]
+            if record["config"] != config:
+                raise ValueError(
+                    f"{name}: {path} and {first} were run with different configurations"
+                )
+            seen = {s["split"] for s in splits}
+            repeated = sorted(seen & {s["split"] for s in record["splits"]})
+            if repeated:
+                raise ValueError(f"{name}: splits {repeated} appear in {first} and in {path}")
+            splits.extend(record["splits"])
+    return {name: (config, splits) for name, (config, splits, _) in merged.items()}
+
+
 def report(paths, title, paper=None):
     """Markdown text for the merged result files.
 
@@ -125,26 +158,22 @@ def report(paths, title, paper=None):
         sep += "---:|---:|"
     lines += [head, sep]
     configs = []
-    for run in runs:
-        for name, record in run["datasets"].items():
-            splits = record["splits"]
-            if not splits:
-                continue
-            rmse, rmse_se, rmse_sd = _stats([s["rmse"] for s in splits])
-            ll, ll_se, ll_sd = _stats([s["ll"] for s in splits])
-            secs = np.mean([s["seconds"] for s in splits])
-            row = (
-                f"| {name} | {len(splits)} | {_fmt(rmse, rmse_se)} | {_fmt(rmse_sd, None)} | "
-                f"{_fmt(ll, ll_se)} | {_fmt(ll_sd, None)} | {secs:.0f} |"
-            )
-            if paper:
-                ref = PAPERS[paper].get(name)
-                if ref:
-                    row += f" {_fmt(ref[0], ref[1])} | {_fmt(ref[2], ref[3])} |"
-                else:
-                    row += " | |"
-            lines.append(row)
-            configs.append((name, record["config"], sorted(s["split"] for s in splits)))
+    for name, (config, splits) in merge_datasets(runs, paths).items():
+        rmse, rmse_se, rmse_sd = _stats([s["rmse"] for s in splits])
+        ll, ll_se, ll_sd = _stats([s["ll"] for s in splits])
+        secs = np.mean([s["seconds"] for s in splits])
+        row = (
+            f"| {name} | {len(splits)} | {_fmt(rmse, rmse_se)} | {_fmt(rmse_sd, None)} | "
+            f"{_fmt(ll, ll_se)} | {_fmt(ll_sd, None)} | {secs:.0f} |"
+        )
+        if paper:
+            ref = PAPERS[paper].get(name)
+            if ref:
+                row += f" {_fmt(ref[0], ref[1])} | {_fmt(ref[2], ref[3])} |"
+            else:
+                row += " | |"
+        lines.append(row)
+        configs.append((name, config, sorted(s["split"] for s in splits)))
     lines += ["", "Configurations and splits run:", ""]
     for name, config, splits in configs:
         lines.append(f"- `{name}`: splits {splits}; `{json.dumps(config, sort_keys=True)}`")

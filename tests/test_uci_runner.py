@@ -125,11 +125,13 @@ def reporter():
     return module
 
 
-def _fake_run(rmses):
-    splits = [{"split": i, "rmse": r, "ll": -r, "seconds": 1.0} for i, r in enumerate(rmses)]
+def _fake_run(rmses, first=0, config=None):
+    splits = [{"split": first + i, "rmse": r, "ll": -r, "seconds": 1.0}
+              for i, r in enumerate(rmses)]
+    config = {"epochs": 1} if config is None else config
     return {"command": "python benchmarks/uci.py ...", "started": "now", "resumed": [],
             "versions": {"torch": "t", "pyro": "p"}, "threads": 1, "dtype": "float32",
-            "datasets": {"boston": {"splits": splits, "config": {"epochs": 1}}}}
+            "datasets": {"boston": {"splits": splits, "config": config}}}
 
 
 def test_report_statistics_and_section_update(reporter, tmp_path):
@@ -156,6 +158,22 @@ def test_report_statistics_and_section_update(reporter, tmp_path):
     assert "No split has been run yet." in out.read_text() and "| boston |" not in out.read_text()
     with pytest.raises(ValueError, match="no end marker"):
         reporter.replace_section("<!-- uci_report a -->", "a", "x")
+
+
+def test_report_merges_a_data_set_split_over_files(reporter, tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_fake_run([1.0, 2.0])))
+    second.write_text(json.dumps(_fake_run([3.0], first=2)))
+    text = reporter.report([str(first), str(second)], "t")
+    # one row over the three splits: mean 2, sd 1
+    assert "| boston | 3 | 2.000 ± 0.577 | 1.000 |" in text and text.count("| boston |") == 1
+    assert "splits [0, 1, 2]" in text
+    second.write_text(json.dumps(_fake_run([3.0], first=1)))
+    with pytest.raises(ValueError, match=r"splits \[1\] appear in"):
+        reporter.report([str(first), str(second)], "t")
+    second.write_text(json.dumps(_fake_run([3.0], first=2, config={"epochs": 2})))
+    with pytest.raises(ValueError, match="different configurations"):
+        reporter.report([str(first), str(second)], "t")
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
