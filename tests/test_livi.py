@@ -81,12 +81,15 @@ def test_svd_bound_is_tight_for_equal_singular_values():
     assert torch.allclose(det, gaussian_entropy(4 * q @ q.T + sigma**2 * torch.eye(out_dim)))
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit_jacobian", "matrix_free"])
 @pytest.mark.parametrize("d, out_dim", [(5, 30), (8, 5)])
-def test_matrix_free_smallest_singular_value(d, out_dim):
-    gen = MLPGenerator(d, out_dim, (16,), "elu")
+def test_smallest_singular_value(d, out_dim, explicit):
+    mlp = MLPGenerator(d, out_dim, (16,), "elu")
+    # a plain callable has no ``jacobian``: products by torch.func.jvp / vjp
+    gen = mlp if explicit else (lambda e: mlp(e))
     z = torch.randn(3, d)
     jac = jacobian(gen, z)
-    reference = torch.stack([torch.func.jacrev(gen)(zi) for zi in z])
+    reference = torch.stack([torch.func.jacrev(mlp)(zi) for zi in z])
     assert torch.allclose(jac, reference)
     exact = torch.linalg.svdvals(reference)[..., -1]
     s1, info = smallest_singular_value(gen, z, num_iterations=30, return_info=True)
@@ -94,6 +97,34 @@ def test_matrix_free_smallest_singular_value(d, out_dim):
     assert info["residual"].max() < 1e-8
     # few iterations over-estimate s1 (Ritz values are upper bounds)
     assert (smallest_singular_value(gen, z, num_iterations=1) >= exact - 1e-10).all()
+    # the gradient of s1 with respect to the parameters is the exact one
+    params = weights_of_jacobian(mlp)
+    got = torch.autograd.grad(s1.sum(), params)
+    want = torch.autograd.grad(exact.sum(), params)
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh", "elu", "softplus"])
+@pytest.mark.parametrize("hidden", [(), (7,), (9, 5)])
+def test_explicit_mlp_jacobian_matches_autograd(activation, hidden):
+    d, out_dim = 4, 6
+    gen = MLPGenerator(d, out_dim, hidden, activation)
+    z = torch.randn(3, d)
+    reference = torch.stack([torch.func.jacrev(gen)(zi) for zi in z])
+    explicit = gen.jacobian(z)
+    assert explicit.shape == (3, out_dim, d)
+    assert torch.allclose(explicit, reference, rtol=1e-10, atol=1e-12)
+    # the same derivatives with respect to the parameters (the loss differentiates J)
+    params = list(gen.parameters())
+    probe = torch.randn(3, out_dim, d)
+    got = torch.autograd.grad((explicit * probe).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((reference * probe).sum(), params, allow_unused=True)
+    for g, w, p in zip(got, want, params, strict=True):
+        # None: J does not depend on p (the output bias; the hidden biases under ReLU)
+        g = torch.zeros_like(p) if g is None else g
+        w = torch.zeros_like(p) if w is None else w
+        assert torch.allclose(g, w, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("d, out_dim", [(4, 20), (6, 3)])

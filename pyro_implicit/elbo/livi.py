@@ -47,6 +47,9 @@ from .base import ImplicitELBO, auxiliary_site_value, packed_particles, particle
 __all__ = ["LIVI_ELBO", "jacobian", "linearized_entropy", "smallest_singular_value"]
 
 _BOUNDS = ("det", "svd")
+#: largest S * D * d for which :func:`smallest_singular_value` forms the Jacobians of a
+#: generator that offers them (128 MB in float32); beyond it, matrix-free products
+_EXPLICIT_JACOBIAN_MAX = 2**25
 _forward_ad_ready = False
 
 
@@ -86,9 +89,16 @@ def jacobian(generator, z):
     :func:`torch.func.vjp` call (measured twice as fast as ``vmap(jacfwd(g))``);
     ``generator`` must map rows independently.
 
+    A generator with a ``jacobian(z)`` method (e.g.
+    :class:`~pyro_implicit.guides.MLPGenerator`, which builds J layer by layer) gives it
+    directly: the same matrix, about twice as fast per LIVI step.
+
     :param generator: ``(..., d) -> (..., D)``, row-wise.
     :param torch.Tensor z: ``(S, d)``.
     """
+    explicit = getattr(generator, "jacobian", None)
+    if callable(explicit):
+        return explicit(z.detach())
     _prepare_forward_ad()
     z = z.detach()
     num, d = z.shape
@@ -128,9 +138,12 @@ def smallest_singular_value(generator, z, num_iterations=5, return_info=False):
 
     Block LOBPCG with one vector, its residual and the previous search direction (Knyazev
     2001) on the :math:`k \times k` Gram matrix (:math:`J^\top J` when :math:`d \le D`,
-    else :math:`JJ^\top`), using only :func:`torch.func.jvp` and :func:`torch.func.vjp`;
-    the Rayleigh-Ritz step takes the smallest right singular vector of :math:`J V` for the
-    orthonormal basis V (never squaring J's condition number). All draws are solved
+    else :math:`JJ^\top`), using only :func:`torch.func.jvp` and :func:`torch.func.vjp`
+    (or, for a generator with a ``jacobian(z)`` method and S D d at most
+    ``_EXPLICIT_JACOBIAN_MAX``, products with its explicit Jacobians: the same
+    iterations, faster at UCI size); the Rayleigh-Ritz step takes the smallest right
+    singular vector of :math:`J V` for the orthonormal basis V (never squaring J's
+    condition number). All draws are solved
     together: ``generator`` must map rows independently.
 
     Only the last product :math:`\|J v\|` is differentiable, with the eigenvector v
@@ -147,11 +160,32 @@ def smallest_singular_value(generator, z, num_iterations=5, return_info=False):
         :math:`\|J^\top J v - s_1^2 v\|` per draw (some eigenvalue of :math:`J^\top J`
         lies within it of :math:`s_1^2`).
     """
-    _prepare_forward_ad()
     d = z.shape[-1]
     out_dim = _output_dim(generator, z)
     z = z.detach()
-    if d <= out_dim:
+    explicit = getattr(generator, "jacobian", None)
+    final = None  # the differentiable J x (J^T x when d > D); else ``apply`` with graph
+    if callable(explicit) and z.shape[0] * out_dim * d <= _EXPLICIT_JACOBIAN_MAX:
+        # J at hand for little cost: every product is a batched matrix-vector product
+        jac = explicit(z)  # (S, D, d), with the graph for the one differentiable product
+        if d > out_dim:
+            jac = jac.mT
+        matrix = jac.detach()
+
+        # einsum: one batched product over the draws (broadcasting ``@`` would copy the
+        # S matrices once per leading vector)
+        def apply(v):  # (..., S, size) -> (..., S, out)
+            return torch.einsum("sab,...sb->...sa", matrix, v)
+
+        def adjoint(w):
+            return torch.einsum("sab,...sa->...sb", matrix, w)
+
+        def final(v):
+            return torch.einsum("sab,sb->sa", jac, v)
+
+        size = min(d, out_dim)
+    elif d <= out_dim:
+        _prepare_forward_ad()
 
         def apply(v):  # J v
             zz = z.expand(v.shape[:-1] + (d,)).contiguous()
@@ -162,6 +196,7 @@ def smallest_singular_value(generator, z, num_iterations=5, return_info=False):
 
         size = d
     else:
+        _prepare_forward_ad()
 
         def apply(w):  # J^T w
             zz = z.expand(w.shape[:-1] + (d,)).contiguous()
@@ -194,7 +229,7 @@ def smallest_singular_value(generator, z, num_iterations=5, return_info=False):
             direction = (basis[..., 1:] @ coef[..., 1:, :]).squeeze(-1)
         x = x / x.norm(dim=-1, keepdim=True)
     # the one differentiable product, eigenvector held fixed (Hellmann-Feynman)
-    jx = apply(x)
+    jx = (final or apply)(x)
     s1 = jx.norm(dim=-1)
     if not return_info:
         return s1
