@@ -252,3 +252,38 @@ def test_exact_sites_must_have_a_guide_density():
         KernelRatioELBO(num_particles=4, exact_sites=["nope"], max_plate_nesting=1).loss(
             model, guide
         )
+
+
+def test_prior_draws_stop_before_the_likelihood():
+    from pyro_implicit.elbo.base import prior_particles
+
+    calls = []
+
+    def model(y, subsample_size=None):
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        scale = pyro.sample("scale", dist.LogNormal(0.0, 0.5))
+        with pyro.plate("data", len(y), subsample_size=subsample_size, dim=-1) as idx:
+            calls.append(idx)  # the forward pass a prior draw does not need
+            pyro.sample("obs", dist.Normal(loc, scale), obs=y[idx])
+
+    def draw(subsample_size):
+        return prior_particles(model, (y,), {"subsample_size": subsample_size},
+                               ["loc", "scale"], 4000, 2)
+
+    y = torch.randn(50)
+    for subsample_size in (None, 10):
+        calls.clear()
+        pyro.set_rng_seed(3)
+        draws = draw(subsample_size)
+        after_stop = torch.randn(3)
+        assert calls == []
+        assert draws["loc"].shape == (4000, 1) and draws["scale"].shape == (4000, 1)
+        # unconstrained prior samples: N(0, 1) and log of LogNormal(0, 0.5) = N(0, 0.5)
+        assert draws["loc"].std().item() == pytest.approx(1.0, rel=0.05)
+        assert draws["scale"].std().item() == pytest.approx(0.5, rel=0.05)
+        # the minibatch indices are drawn as in a full run: the random stream after a
+        # prior draw is that after running the model to the end
+        pyro.set_rng_seed(3)
+        with torch.no_grad(), pyro.plate("_prior_particles", 4000, dim=-2):
+            model(y, subsample_size)
+        assert torch.equal(torch.randn(3), after_stop)

@@ -143,8 +143,12 @@ class _StopAfter(Exception):
 
 
 class _StopAfterLatents(pyro.poutine.messenger.Messenger):
-    """Stops a model run at its first observed site once all named latents are drawn:
-    prior samples need no likelihood evaluation."""
+    """Stops a model run once all named latents are drawn, at the first observed site or
+    right after the first minibatch (subsample) site: prior samples need no likelihood
+    evaluation, and a minibatch model's forward pass (computed between its data plate and
+    its observation) is skipped. The minibatch indices are still drawn, so a model whose
+    latents all come before its data plate (``pyro_implicit.bnn``) consumes the random
+    stream exactly as a run to the first observation would."""
 
     def __init__(self, names):
         super().__init__()
@@ -158,6 +162,8 @@ class _StopAfterLatents(pyro.poutine.messenger.Messenger):
     def _pyro_post_sample(self, msg):
         if msg["name"] in self.names:
             self.seen.add(msg["name"])
+        elif site_is_subsample(msg) and self.seen >= self.names:
+            raise _StopAfter()
 
 
 def prior_particles(model, args, kwargs, names, num_samples, max_plate_nesting):
