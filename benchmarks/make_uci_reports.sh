@@ -18,7 +18,7 @@ report $R/uci_kivi_part1.json $R/uci_kivi_part2.json --paper kivi \
 report $R/uci_fsvgd.json $R/uci_fsvgd_large.json $R/uci_fsvgd_large_part2.json --paper fsvgd \
   --title "f-SVGD (FunctionSpaceSVGD), f-POVI UCI settings" \
   --out $R/uci_fsvgd.md --section fsvgd
-report $R/uci_fsvgd_wsvgd.json --paper wsvgd \
+report $R/uci_fsvgd_wsvgd.json $R/uci_fsvgd_wsvgd_large.json --paper wsvgd \
   --title "weight-space SVGD (WeightSpaceSVGD), same model and settings" \
   --out $R/uci_fsvgd.md --section wsvgd
 report $R/uci_livi.json --paper livi \
