@@ -48,8 +48,9 @@ __all__ = ["LIVI_ELBO", "jacobian", "linearized_entropy", "smallest_singular_val
 
 _BOUNDS = ("det", "svd")
 #: largest S * D * d for which :func:`smallest_singular_value` forms the Jacobians of a
-#: generator that offers them (128 MB in float32); beyond it, matrix-free products
-_EXPLICIT_JACOBIAN_MAX = 2**25
+#: generator that offers them (16 MB in float32: UCI-sized networks); beyond it, L'' keeps
+#: to matrix-free products and its O(D + d) memory per draw
+_EXPLICIT_JACOBIAN_MAX = 2**22
 _forward_ad_ready = False
 
 
