@@ -201,6 +201,29 @@ def num_steps(n_train, config):
     return int(config["epochs"]) * math.ceil(n_train / batch)
 
 
+def train_minibatches(step, x, y, config, progress, describe):
+    """Run ``config["epochs"]`` passes over the data in minibatches of ``batch_size`` drawn
+    by the model's data plate, printing ten progress lines.
+
+    :param callable step: ``step(x, y, subsample_size=...)``, e.g. ``SVI.step``; returns
+        what ``describe`` reads.
+    :param torch.Tensor x: training inputs.
+    :param torch.Tensor y: training targets.
+    :param dict config: the run configuration.
+    :param callable progress: ``progress(message)`` prints a progress line.
+    :param callable describe: ``describe(result, n)`` gives the progress text of a step's
+        result (``n`` is the number of training points).
+    """
+    n = x.shape[0]
+    batch = min(int(config["batch_size"]), n)
+    steps = num_steps(n, config)
+    report_every = max(1, steps // 10)
+    for i in range(steps):
+        result = step(x, y, subsample_size=batch)
+        if (i + 1) % report_every == 0 or i + 1 == steps:
+            progress(f"step {i + 1}/{steps}  {describe(result, n)}")
+
+
 def _init_scaled(site):
     """Initial value of a site: weights ~ N(0, 1 / fan_in), other sites from the prior.
 
@@ -233,14 +256,7 @@ def fit_map(split, config, seed, progress):
     guide = AutoDelta(model, init_loc_fn=_init_scaled)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), Trace_ELBO(max_plate_nesting=1))
     x, y = split.x_train, split.y_train
-    n = split.n_train
-    batch = min(int(config["batch_size"]), n)
-    steps = num_steps(n, config)
-    report_every = max(1, steps // 10)
-    for step in range(steps):
-        loss = svi.step(x, y, subsample_size=batch)
-        if (step + 1) % report_every == 0 or step + 1 == steps:
-            progress(f"step {step + 1}/{steps}  loss/n {loss / n:.4f}")
+    train_minibatches(svi.step, x, y, config, progress, lambda loss, n: f"loss/n {loss / n:.4f}")
     with torch.no_grad():
         point = guide.median(x, y)
         f = model.forward(point, split.x_test).unsqueeze(0)
@@ -337,16 +353,12 @@ def fit_kivi(split, config, seed, progress):
         max_plate_nesting=1,
     )
     svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), elbo)
-    x, y = split.x_train, split.y_train
-    n = split.n_train
-    batch = min(int(config["batch_size"]), n)
-    steps = num_steps(n, config)
-    report_every = max(1, steps // 10)
-    for step in range(steps):
-        loss = svi.step(x, y, subsample_size=batch)
-        if (step + 1) % report_every == 0 or step + 1 == steps:
-            clipped = max(d["clipped_fraction"] for d in elbo.diagnostics.values())
-            progress(f"step {step + 1}/{steps}  loss/n {loss / n:.4f}  clipped {clipped:.2f}")
+
+    def describe(loss, n):
+        clipped = max(d["clipped_fraction"] for d in elbo.diagnostics.values())
+        return f"loss/n {loss / n:.4f}  clipped {clipped:.2f}"
+
+    train_minibatches(svi.step, split.x_train, split.y_train, config, progress, describe)
     with torch.no_grad():
         num_samples = int(config["num_samples"])
         draws = weights.sample_posterior(num_samples)
@@ -414,19 +426,15 @@ def _fit_particles(split, config, progress, function_space):
     else:
         inference = WeightSpaceSVGD(model, optim, n_particles, max_plate_nesting=1,
                                     init_particles=init)
-    n = split.n_train
-    batch = min(int(config["batch_size"]), n)
-    steps = num_steps(n, config)
-    report_every = max(1, steps // 10)
-    for step in range(steps):
-        diag = inference.step(x, y, subsample_size=batch)
-        if (step + 1) % report_every == 0 or step + 1 == steps:
-            ll = diag.get("log_likelihood", diag.get("log_joint"))
-            progress(
-                f"step {step + 1}/{steps}  loglik/n {ll / n:.4f}  "
-                f"attr {diag['attractive']:.3g}  rep {diag['repulsive']:.3g}  "
-                f"bw {diag['bandwidth']:.3g}"
-            )
+
+    def describe(diag, n):
+        ll = diag.get("log_likelihood", diag.get("log_joint"))
+        return (
+            f"loglik/n {ll / n:.4f}  attr {diag['attractive']:.3g}  "
+            f"rep {diag['repulsive']:.3g}  bw {diag['bandwidth']:.3g}"
+        )
+
+    train_minibatches(inference.step, x, y, config, progress, describe)
     with torch.no_grad():
         particles = inference.get_named_particles()
         f = model.forward(particles, x_test)
@@ -488,16 +496,11 @@ def fit_livi(split, config, seed, progress):
     elbo = LIVI_ELBO(num_particles=int(config["num_particles"]), bound=config["bound"],
                      max_plate_nesting=1)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), elbo)
-    x, y = split.x_train, split.y_train
-    n = split.n_train
-    batch = min(int(config["batch_size"]), n)
-    steps = num_steps(n, config)
-    report_every = max(1, steps // 10)
-    for step in range(steps):
-        loss = svi.step(x, y, subsample_size=batch)
-        if (step + 1) % report_every == 0 or step + 1 == steps:
-            noise = pyro.param("noise_scale").item()
-            progress(f"step {step + 1}/{steps}  loss/n {loss / n:.4f}  noise {noise:.4f}")
+
+    def describe(loss, n):
+        return f"loss/n {loss / n:.4f}  noise {pyro.param('noise_scale').item():.4f}"
+
+    train_minibatches(svi.step, split.x_train, split.y_train, config, progress, describe)
     with torch.no_grad():
         draws = guide.sample_posterior(int(config["num_samples"]))
         f = model.forward(draws, split.x_test)

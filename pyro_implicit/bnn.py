@@ -154,6 +154,14 @@ class _BNNBase:
             shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
             raise ValueError(f"x must be a tensor of shape (n, {self.in_dim}), got {shape}.")
 
+    def _check_data(self, x, y):
+        """Check the inputs and, unless ``None``, the targets (one per row of ``x``)."""
+        self._check_x(x)
+        n = x.shape[0]
+        if y is not None and (not torch.is_tensor(y) or y.shape != (n,)):
+            shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
+            raise ValueError(f"y must be a tensor of shape ({n},) like x's rows, got {shape}.")
+
     def _weights_list(self, weights):
         try:
             return [weights[name] for name in self.layer_names]
@@ -277,11 +285,8 @@ class BNNRegression(_BNNBase):
         :returns: the function values at the (sub)sampled inputs.
         :rtype: torch.Tensor
         """
-        self._check_x(x)
+        self._check_data(x, y)
         n = x.shape[0]
-        if y is not None and (not torch.is_tensor(y) or y.shape != (n,)):
-            shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
-            raise ValueError(f"y must be a tensor of shape ({n},) like x's rows, got {shape}.")
         weights = self._sample_weights(x)
         if self.noise_std_prior is not None:
             a, b = self.noise_std_prior
@@ -352,11 +357,8 @@ class BNNClassification(_BNNBase):
         :returns: the logits at the (sub)sampled inputs.
         :rtype: torch.Tensor
         """
-        self._check_x(x)
+        self._check_data(x, y)
         n = x.shape[0]
-        if y is not None and (not torch.is_tensor(y) or y.shape != (n,)):
-            shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
-            raise ValueError(f"y must be a tensor of shape ({n},) like x's rows, got {shape}.")
         weights = self._sample_weights(x)
         with pyro.plate("data", n, subsample_size=subsample_size, dim=-1) as idx:
             xb = self._subsample(x, idx, subsample_size)

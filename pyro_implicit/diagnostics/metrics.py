@@ -211,6 +211,16 @@ def wasserstein_1d(draws, reference, standardize=True):
 # ---------------------------------------------------------------------------------------
 
 
+def _joint_pair(draws, reference, standardize, max_samples, seed):
+    """The checked (optionally standardised) pair, each subsampled to ``max_samples`` rows
+    with a private generator seeded by ``seed``."""
+    draws, reference = _check_pair(draws, reference, min_draws=2)
+    if standardize:
+        draws, reference = _standardize_by_reference(draws, reference)
+    generator = torch.Generator().manual_seed(seed)
+    return _subsample(draws, max_samples, generator), _subsample(reference, max_samples, generator)
+
+
 def energy_distance(draws, reference, standardize=True, max_samples=2000, seed=0):
     """Energy distance :math:`2E|X - Y| - E|X - X'| - E|Y - Y'|` between the joint
     distributions (Szekely & Rizzo), with :math:`|\\cdot|` the Euclidean norm.
@@ -237,12 +247,7 @@ def energy_distance(draws, reference, standardize=True, max_samples=2000, seed=0
     :return: 0-dim float64 tensor.
     :rtype: torch.Tensor
     """
-    draws, reference = _check_pair(draws, reference, min_draws=2)
-    if standardize:
-        draws, reference = _standardize_by_reference(draws, reference)
-    generator = torch.Generator().manual_seed(seed)
-    x = _subsample(draws, max_samples, generator)
-    y = _subsample(reference, max_samples, generator)
+    x, y = _joint_pair(draws, reference, standardize, max_samples, seed)
     n, m = x.shape[0], y.shape[0]
     xy = _pairwise_sum(x, y, torch.sqrt) / (n * m)
     xx = _pairwise_sum(x, x, torch.sqrt, exclude_diagonal=True) / (n * (n - 1))
@@ -269,12 +274,7 @@ def mmd_rbf(draws, reference, bandwidth=None, standardize=True, max_samples=1000
     :return: 0-dim float64 tensor.
     :rtype: torch.Tensor
     """
-    draws, reference = _check_pair(draws, reference, min_draws=2)
-    if standardize:
-        draws, reference = _standardize_by_reference(draws, reference)
-    generator = torch.Generator().manual_seed(seed)
-    x = _subsample(draws, max_samples, generator)
-    y = _subsample(reference, max_samples, generator)
+    x, y = _joint_pair(draws, reference, standardize, max_samples, seed)
     n, m = x.shape[0], y.shape[0]
     kernel = RBFKernel(bandwidth=bandwidth)
     h = kernel.bandwidth(x, y)

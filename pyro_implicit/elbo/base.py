@@ -30,6 +30,7 @@ __all__ = [
     "VectorizationError",
     "auxiliary_site_value",
     "check_vectorized_log_joint",
+    "implicit_guide_sites",
     "packed_particles",
 ]
 
@@ -136,6 +137,16 @@ def auxiliary_site_value(guide_trace, site, key):
             "must name an auxiliary site holding the value behind each draw."
         )
     return guide_trace.nodes[name]["value"]
+
+
+def implicit_guide_sites(guide_trace):
+    """The sample sites of a guide trace drawn by an implicit guide (flagged through
+    ``infer["pyro_implicit"]``), in execution order."""
+    return [
+        site
+        for site in guide_trace.nodes.values()
+        if site["type"] == "sample" and implicit_site_info(site) is not None
+    ]
 
 
 class _StopAfter(Exception):
@@ -363,6 +374,28 @@ class ImplicitELBO(ELBO):
     def latent_sites(self, model_trace):
         """The model's latent sample sites, in execution order."""
         return [site for site in model_trace.nodes.values() if _is_latent(site)]
+
+    def log_joint_particles(self, model_trace):
+        """Per-particle :math:`\\log p(x, z)`: every model sample site, with its plate
+        scaling."""
+        n, mpn = self.num_particles, self.max_plate_nesting
+        return sum(
+            particle_sum(site["log_prob"], n, mpn)
+            for site in model_trace.nodes.values()
+            if site["type"] == "sample"
+        )
+
+    def explicit_guide_log_prob(self, guide_trace):
+        """Per-particle log-density of the guide's sites that have one: the ``biject_to``
+        Jacobian Deltas of a packed guide (:math:`\\log|\\partial u / \\partial z|`) and
+        explicit guides beside it. Implicit sites (:func:`implicit_guide_sites`) are left
+        to the estimator."""
+        n, mpn = self.num_particles, self.max_plate_nesting
+        return sum(
+            particle_sum(site["log_prob"], n, mpn)
+            for site in guide_trace.nodes.values()
+            if site["type"] == "sample" and implicit_site_info(site) is None
+        )
 
     def log_likelihood_particles(self, model_trace):
         """Per-particle sum of the (scaled) log-densities of the model's observed sites and

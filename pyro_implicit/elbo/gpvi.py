@@ -53,7 +53,7 @@ from ..guides.base import ImplicitAutoGuide, default_noise_dim, implicit_site_in
 from ..guides.implicit import ImplicitGuide, _default_hidden
 from ..guides.networks import MLPGenerator
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
-from .base import ImplicitELBO, packed_particles, particle_sum
+from .base import ImplicitELBO, implicit_guide_sites, packed_particles
 from .livi import jacobian
 
 __all__ = [
@@ -254,11 +254,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
         raise NotImplementedError
 
     def _implicit_site(self, model_trace, guide_trace):
-        sites = [
-            s
-            for s in guide_trace.nodes.values()
-            if s["type"] == "sample" and implicit_site_info(s) is not None
-        ]
+        sites = implicit_guide_sites(guide_trace)
         if len(sites) != 1:
             raise TypeError(
                 f"{type(self).__name__} trains one implicit guide over all latent sites; the "
@@ -283,18 +279,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
         r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /
         \partial u|`: every model site (with plate scaling), minus the guide's ``biject_to``
         Delta sites, whose log-density is :math:`-\log|\det \partial T/\partial u|`."""
-        n, mpn = self.num_particles, self.max_plate_nesting
-        log_joint = sum(
-            particle_sum(s["log_prob"], n, mpn)
-            for s in model_trace.nodes.values()
-            if s["type"] == "sample"
-        )
-        log_guide = sum(
-            particle_sum(s["log_prob"], n, mpn)
-            for s in guide_trace.nodes.values()
-            if s["type"] == "sample" and implicit_site_info(s) is None
-        )
-        return log_joint - log_guide
+        return self.log_joint_particles(model_trace) - self.explicit_guide_log_prob(guide_trace)
 
     def loss(self, model, guide, *args, **kwargs):
         r"""The monitoring value :math:`-\frac1N\sum_a \log\tilde p(u'_a)` (see the class

@@ -42,7 +42,13 @@ import torch
 from torch.func import jvp, vjp
 
 from ..guides.base import implicit_site_info
-from .base import ImplicitELBO, auxiliary_site_value, packed_particles, particle_sum
+from .base import (
+    ImplicitELBO,
+    auxiliary_site_value,
+    implicit_guide_sites,
+    packed_particles,
+    particle_sum,
+)
 
 __all__ = ["LIVI_ELBO", "jacobian", "linearized_entropy", "smallest_singular_value"]
 
@@ -402,29 +408,19 @@ class LIVI_ELBO(ImplicitELBO):
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
         n, mpn = self.num_particles, self.max_plate_nesting
-        log_joint = sum(
-            particle_sum(site["log_prob"], n, mpn)
-            for site in model_trace.nodes.values()
-            if site["type"] == "sample"
-        )
+        log_joint = self.log_joint_particles(model_trace)
         if self.prior_weight != 1:
             log_prior = sum(
                 particle_sum(site["log_prob"], n, mpn) for site in self.latent_sites(model_trace)
             )
             log_joint = log_joint + (self.prior_weight - 1) * log_prior
-        log_guide = 0.0
+        log_guide = self.explicit_guide_log_prob(guide_trace)
         entropy = 0.0
         diagnostics = {}
-        for site in guide_trace.nodes.values():
-            if site["type"] != "sample":
-                continue
-            if implicit_site_info(site) is None:
-                # biject_to Jacobian Deltas (log |du/dtheta|) and explicit guide sites
-                log_guide = log_guide + particle_sum(site["log_prob"], n, mpn)
-            else:
-                site_entropy, details = self._site_entropy(guide_trace, site)
-                entropy = entropy + site["scale"] * site_entropy
-                diagnostics[site["name"]] = details
+        for site in implicit_guide_sites(guide_trace):
+            site_entropy, details = self._site_entropy(guide_trace, site)
+            entropy = entropy + site["scale"] * site_entropy
+            diagnostics[site["name"]] = details
         elbo = (log_joint - log_guide + self.entropy_weight * entropy).mean()
         self.diagnostics = {"elbo": elbo.item(), "bound": self.bound}
         if torch.is_tensor(entropy):

@@ -34,7 +34,12 @@ import warnings
 import torch
 
 from ..guides.base import implicit_site_info
-from .base import ImplicitELBO, auxiliary_site_value, packed_particles, particle_sum
+from .base import (
+    ImplicitELBO,
+    auxiliary_site_value,
+    implicit_guide_sites,
+    packed_particles,
+)
 
 __all__ = ["SIVI_ELBO", "linear_schedule"]
 
@@ -248,25 +253,13 @@ class SIVI_ELBO(ImplicitELBO):
     def _particle_terms(self, model, guide, args, kwargs, num_mixing, bound="lower"):
         """Per-particle :math:`\\log p(x, z_j) - \\log \\tilde q(z_j)`, shape ``(J,)``."""
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
-        n, mpn = self.num_particles, self.max_plate_nesting
-        log_joint = sum(
-            particle_sum(site["log_prob"], n, mpn)
-            for site in model_trace.nodes.values()
-            if site["type"] == "sample"
-        )
-        log_guide = 0.0
-        for site in guide_trace.nodes.values():
-            if site["type"] != "sample":
-                continue
-            if implicit_site_info(site) is None:
-                # Jacobian Deltas of biject_to (log |du/dz|) and explicit guide sites
-                log_guide = log_guide + particle_sum(site["log_prob"], n, mpn)
-            else:
-                log_h = self._log_mixture_density(guide_trace, site, num_mixing, bound)
-                if "local" not in implicit_site_info(site)["capabilities"]:
-                    log_h = site["scale"] * log_h  # the local path applies it per point
-                log_guide = log_guide + log_h
-        return log_joint - log_guide
+        log_guide = self.explicit_guide_log_prob(guide_trace)
+        for site in implicit_guide_sites(guide_trace):
+            log_h = self._log_mixture_density(guide_trace, site, num_mixing, bound)
+            if "local" not in implicit_site_info(site)["capabilities"]:
+                log_h = site["scale"] * log_h  # the local path applies it per point
+            log_guide = log_guide + log_h
+        return self.log_joint_particles(model_trace) - log_guide
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         num_mixing = self.current_num_mixing()
