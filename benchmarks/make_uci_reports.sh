@@ -18,12 +18,13 @@ report $R/uci_kivi_part1.json $R/uci_kivi_part2.json --paper kivi \
 report $R/uci_fsvgd.json $R/uci_fsvgd_large.json $R/uci_fsvgd_large_part2.json --paper fsvgd \
   --title "f-SVGD (FunctionSpaceSVGD), f-POVI UCI settings" \
   --out $R/uci_fsvgd.md --section fsvgd
-report $R/uci_fsvgd_wsvgd.json $R/uci_fsvgd_wsvgd_large.json --paper wsvgd \
+report $R/uci_fsvgd_wsvgd.json $R/uci_fsvgd_wsvgd_large.json $R/uci_fsvgd_wsvgd_large_part2.json \
+  --paper wsvgd \
   --title "weight-space SVGD (WeightSpaceSVGD), same model and settings" \
   --out $R/uci_fsvgd.md --section wsvgd
-report $R/uci_livi.json --paper livi \
+report $R/uci_livi.json $R/uci_livi_part2.json --paper livi \
   --title "LIVI, bound L' (log-determinant, eq. 15)" --out $R/livi.md --section livi
-report $R/uci_livi_svd.json --paper livi_svd \
+report $R/uci_livi_svd.json $R/uci_livi_svd_part2.json --paper livi_svd \
   --title "LIVI, bound L'' (smallest singular value, eqs. 17-18)" \
   --out $R/livi.md --section livi_svd
 report $R/uci_livi_600ep.json --paper livi \
