@@ -407,7 +407,8 @@ class ImplicitELBO(ELBO):
             if site["type"] == "sample" and site["is_observed"]
         ]
         if not terms:
-            return torch.zeros(n)
+            ref = next(s["log_prob"] for s in model_trace.nodes.values() if s["type"] == "sample")
+            return ref.new_zeros(n)
         return sum(terms)
 
     # ------------------------------------------------------------------ ELBO API

@@ -139,7 +139,8 @@ class SemiImplicitEncoder(nn.Module):
         r"""``(num_samples, *x.shape[:-1], latent_dim)`` independent mixing draws
         :math:`\psi^{(k)}(x)` for every data point (with autograd graph): SIVI's extra
         draws, drawn per data point (digest pitfall 13)."""
-        eps = torch.randn((num_samples,) + x.shape[:-1] + (self.noise_dim,), dtype=x.dtype)
+        shape = (num_samples,) + x.shape[:-1] + (self.noise_dim,)
+        eps = torch.randn(shape, dtype=x.dtype, device=x.device)
         return self.mixing(eps, x)
 
     def conditional_log_prob(self, z, psi, x):

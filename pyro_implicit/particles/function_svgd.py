@@ -395,7 +395,8 @@ class FunctionSpaceSVGD(ParticleInference):
             if self.prior_score is not None:
                 self._require_inputs(x_lab, "the function-space prior")
                 rows = self._prior_rows(f_lab.shape[1], f_all.shape[1] - f_lab.shape[1])
-                x_p = torch.cat(x_parts, dim=0).index_select(0, rows.to(x_lab.device))
+                rows = rows.to(f_all.device)  # drawn on the CPU generator, as everywhere
+                x_p = torch.cat(x_parts, dim=0).index_select(0, rows)
                 f_p = f_all.detach().index_select(1, rows)
                 score = self.prior_score(f_p, x_p, lambda k: self._sample_prior(x_p, k))
                 g_all = g_all.index_add(1, rows, score.to(g_all))

@@ -157,7 +157,8 @@ class GPPriorScore:
         cov = self.covariance(x, x).to(f)
         if cov.shape != (b, b):
             raise ValueError(f"covariance(x, x) must have shape ({b}, {b}), got {tuple(cov.shape)}")
-        chol = torch.linalg.cholesky(cov + self.jitter * torch.eye(b, dtype=f.dtype))
+        eye = torch.eye(b, dtype=f.dtype, device=f.device)
+        chol = torch.linalg.cholesky(cov + self.jitter * eye)
         r = f.detach()
         if self.mean is not None:
             r = r - self.mean(x).to(f).reshape(b, -1)

@@ -79,7 +79,7 @@ def _pyro_kernel_terms(kernel, z):
     # pyro's grad_term[n, m] is -d log k_nm / d x_m (its code, not its docstring), so the
     # repulsion sum_m grad_{x_m} k(x_m, x_n) is minus its K-weighted sum
     repulsion = -torch.einsum("nm,nm...->n...", k, grad_term)
-    return k, repulsion, torch.tensor(float("nan"), dtype=z.dtype)
+    return k, repulsion, z.new_tensor(float("nan"))
 
 
 def stein_direction(particles, score, kernel, method="svgd"):
@@ -369,7 +369,7 @@ class ParticleInference:
                 trace.nodes[name]["log_prob"], self.num_particles, self.max_plate_nesting + 1
             )
         if not torch.is_tensor(total):
-            total = torch.zeros(self.num_particles, dtype=self.particles.dtype)
+            total = self.particles.new_zeros(self.num_particles)
         return total
 
     def _observed_names(self, trace):
