@@ -301,7 +301,8 @@ class BNNRegression(_BNNBase):
             precision = pyro.sample("precision", dist.Gamma(x.new_tensor(a), x.new_tensor(b)))
             # a scalar site's value is already plate-aligned: () or (S, 1) under a plate at -2
             scale = precision.rsqrt()
-        with pyro.plate("data", n, subsample_size=subsample_size, dim=-1) as idx:
+        plate = pyro.plate("data", n, subsample_size=subsample_size, dim=-1, device=x.device)
+        with plate as idx:
             xb = self._subsample(x, idx, subsample_size)
             yb = None if y is None else self._subsample(y, idx, subsample_size)
             f = mlp_forward(weights, xb, self._act).squeeze(-1)
@@ -316,8 +317,13 @@ class BNNClassification(_BNNBase):
     Model (KIVI, Sec. 3.1)::
 
         layer{i} ~ Normal(0, prior_scale^2 I)          shape (in_features + 1, out_features)
-        logits = MLP(x; layers)                          deterministic site "logits"
+        logits = log_softmax(MLP(x; layers))             deterministic site "logits"
         y_j ~ Categorical(logits_j)                      j in plate "data" (dim -1)
+
+    The recorded logits are normalised (log class probabilities): raw logits are defined
+    only up to a shift per input that the likelihood cannot see, so a kernel on them (e.g.
+    :class:`~pyro_implicit.particles.FunctionSpaceSVGD` with ``function_site="logits"``)
+    would repel particles along that invisible direction (f-POVI, App. A.3).
 
     Vectorised over samples like :class:`BNNRegression`: under an outer plate of size
     ``S`` at dim -2, ``"logits"`` has shape ``(S, n, num_classes)``.
@@ -338,14 +344,15 @@ class BNNClassification(_BNNBase):
         self.num_classes = int(num_classes)
 
     def forward(self, weights, x):
-        """Logits of the network, outside Pyro.
+        """Normalised logits (log class probabilities) of the network, outside Pyro: the
+        values of the model's ``"logits"`` site.
 
         :param dict weights: ``{"layer{i}": tensor of shape batch + (in + 1, out)}``.
         :param torch.Tensor x: inputs of shape ``(n, in_dim)``.
-        :returns: logits of shape ``batch + (n, num_classes)``.
+        :returns: normalised logits of shape ``batch + (n, num_classes)``.
         :rtype: torch.Tensor
         """
-        return mlp_forward(self._weights_list(weights), x, self._act)
+        return mlp_forward(self._weights_list(weights), x, self._act).log_softmax(-1)
 
     def __call__(self, x, y=None, subsample_size=None):
         """Run the model.
@@ -354,16 +361,18 @@ class BNNClassification(_BNNBase):
         :param torch.Tensor y: int64 labels in ``0..num_classes-1`` of shape ``(n,)``;
             ``None`` samples them (prediction).
         :param int subsample_size: minibatch size of the data plate; ``None`` uses all data.
-        :returns: the logits at the (sub)sampled inputs.
+        :returns: the normalised logits (log class probabilities) at the (sub)sampled
+            inputs.
         :rtype: torch.Tensor
         """
         self._check_data(x, y)
         n = x.shape[0]
         weights = self._sample_weights(x)
-        with pyro.plate("data", n, subsample_size=subsample_size, dim=-1) as idx:
+        plate = pyro.plate("data", n, subsample_size=subsample_size, dim=-1, device=x.device)
+        with plate as idx:
             xb = self._subsample(x, idx, subsample_size)
             yb = None if y is None else self._subsample(y, idx, subsample_size)
-            logits = mlp_forward(weights, xb, self._act)
+            logits = mlp_forward(weights, xb, self._act).log_softmax(-1)
             pyro.deterministic("logits", logits, event_dim=1)
             pyro.sample("obs", dist.Categorical(logits=logits), obs=yb)
         return logits

@@ -144,6 +144,8 @@ def test_classification_predictive_shapes():
     guide(x, y)
     pred = Predictive(model, guide=guide, num_samples=5, parallel=True)(x)
     assert pred["logits"].shape == (5, 7, 4)
+    # recorded normalised (f-POVI App. A.3): raw logits' shift per input is unidentified
+    assert torch.allclose(pred["logits"].exp().sum(-1), torch.ones(5, 7))
     assert pred["obs"].shape == (5, 7)
     assert int(pred["obs"].min()) >= 0 and int(pred["obs"].max()) < 4
 

@@ -18,12 +18,26 @@ clip value c. Its gradient flows only through the evaluation points :math:`z_j^q
 (\epsilon_j)`; the fitted function (coefficients, centres, bandwidth) is held fixed (eq. 7).
 """
 
-import pyro.distributions as dist
-import torch
-from pyro.infer.autoguide import AutoGuideList
+import warnings
 
+import pyro
+import torch
+from pyro import poutine
+from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide import AutoGuideList
+from pyro.infer.inspect import get_dependencies
+
+from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, squared_distances
-from .base import ImplicitELBO, particle_sum, prior_particles, unconstrained_particles
+from .base import (
+    ImplicitELBO,
+    _StopAfter,
+    _StopAfterLatents,
+    implicit_guide_sites,
+    particle_sum,
+    prior_particles,
+    unconstrained_particles,
+)
 
 __all__ = ["KernelRatioELBO", "kernel_log_ratio", "kernel_kl"]
 
@@ -108,8 +122,15 @@ class KernelRatioELBO(ImplicitELBO):
     where :math:`\log p(x\mid z)` collects all observed sites and factors with Pyro's plate
     scaling (so ``subsample_size`` minibatches are unbiased) and the latents' prior enters
     only through the KL. The KL is estimated jointly over all latent sites, or per group
-    when the guide factorises (``ImplicitGuide(per_site=True)``: KIVI's layer-wise
-    estimate), and multiplied by the latent sites' ``poutine.scale``.
+    when both the guide and the prior factorise across the groups
+    (``ImplicitGuide(per_site=True)`` on a BNN: KIVI's layer-wise estimate). Groups whose
+    prior is linked (a site's prior depends on another's value, as in a hierarchical model;
+    read once with :func:`pyro.infer.inspect.get_dependencies`) are merged, since a sum of
+    marginal KLs is not the joint KL there. The estimate is multiplied by the latent sites'
+    ``poutine.scale`` (e.g. KL annealing), as ``Trace_ELBO`` scales their densities.
+    Parameters inside the prior (``pyro.param`` in a latent's distribution) get the exact
+    gradient :math:`\mathbb E_q[\nabla_\theta \log p_\theta(z)]`; the kernel estimate
+    alone, built from prior draws, would leave them unchanged.
 
     **What the returned loss is.** ``-``:math:`\hat{\mathcal L}`. The KL *value* is a
     biased estimate: every clipped point contributes :math:`-\log c` (18.4 for the default
@@ -142,12 +163,14 @@ class KernelRatioELBO(ImplicitELBO):
         samples. Default False (the paper's BNN estimator).
     :param exact_sites: names of latent sites whose guide has a density, such as the
         explicit Gamma q of a noise precision in KIVI's UCI models (App. E), composed with
-        an implicit guide through Pyro's ``AutoGuideList``. Their part of the KL is the
-        exact Monte Carlo term :math:`\mathbb E_q[\log q(z) - \log p(z)]` of
-        ``Trace_ELBO`` (reparameterised) instead of the kernel estimate; the kernel
-        estimate covers the other sites. A site drawn by an implicit guide is refused. As
-        with per-group estimates, the split assumes the prior factorises between these
-        sites and the rest (true of KIVI's BNNs: weights and precision are independent).
+        an implicit guide through Pyro's ``AutoGuideList`` (a hand-written guide or any of
+        Pyro's autoguides). Their part of the KL is the exact Monte Carlo term
+        :math:`\mathbb E_q[\log q(z) - \log p(z)]` of ``Trace_ELBO`` (reparameterised)
+        instead of the kernel estimate; the kernel estimate covers the sites drawn by
+        implicit guides. Every latent site not drawn by an implicit guide must then be named
+        here, and a site drawn by an implicit guide is refused. The split needs the prior
+        to factorise between these sites and the rest (true of KIVI's BNNs: weights and
+        precision are independent); a prior link between them is refused.
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the particle
         plate (see :func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`).
@@ -207,8 +230,11 @@ class KernelRatioELBO(ImplicitELBO):
                 f"got {adaptive_contrast!r}"
             )
         self.adaptive_contrast = "diag" if adaptive_contrast is True else adaptive_contrast
+        self._links = {}  # id(model) -> prior links between latent sites (None: unknown)
 
-    def _groups(self, guide, names):
+    def _groups(self, guide, names, links):
+        """Groups of the kernel-estimated sites: the guide's factorisation, coarsened so
+        that no prior link crosses two groups (``links``: pairs of linked latent sites)."""
         groups = None
         if self.per_group:
             groups = [[n for n in g if n in names] for g in _latent_groups(guide)]
@@ -217,7 +243,48 @@ class KernelRatioELBO(ImplicitELBO):
             rest = [n for n in names if n not in covered]
             if rest:
                 groups.append(rest)
-        return groups or [list(names)]
+        groups = groups or [list(names)]
+        if len(groups) == 1:
+            return groups
+        # union-find over the groups, joined by every prior link
+        parent = list(range(len(groups)))
+        group_of = {n: i for i, g in enumerate(groups) for n in g}
+
+        def root(i):
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for a, b in links:
+            if a in group_of and b in group_of:
+                parent[root(group_of[a])] = root(group_of[b])
+        merged = {}
+        for i, g in enumerate(groups):
+            merged.setdefault(root(i), []).extend(g)
+        return list(merged.values())
+
+    def _prior_links(self, model, args, kwargs):
+        """Pairs of latent sites whose prior is linked (one's distribution depends on the
+        other's value), read once per model with Pyro's dependency tracer."""
+        key = id(model)
+        if key not in self._links:
+            try:
+                deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
+            except Exception as e:  # the tracer cannot follow every model
+                warnings.warn(
+                    f"KernelRatioELBO could not read the model's prior dependencies ({e!r}); "
+                    "it estimates one joint KL over all latent sites instead of one per "
+                    "group (always valid, less accurate in high dimension)",
+                    stacklevel=4,
+                )
+                deps = None
+            self._links[key] = (
+                None
+                if deps is None
+                else {(a, b) for a, ups in deps.items() for b in ups if b != a}
+            )
+        return self._links[key]
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
@@ -226,9 +293,15 @@ class KernelRatioELBO(ImplicitELBO):
 
         latents = {site["name"]: site for site in self.latent_sites(model_trace)}
         self.diagnostics = {}
-        latent_term = self._exact_term(latents, guide_trace)
+        links = self._prior_links(model, args, kwargs) if len(latents) > 1 else set()
+        latent_term = self._exact_term(latents, guide_trace, links)
         names = [name for name in latents if name not in self.exact_sites]
+        _refuse_subsampled_latents([latents[name] for name in names])
         ac = self.adaptive_contrast
+        if names and not ac:  # adaptive contrast differentiates log p(z) itself
+            latent_term = latent_term + self._prior_parameter_term(
+                model, args, kwargs, model_trace, names
+            )
         q_parts, log_jac = {}, {}
         for name in names:
             site = latents[name]
@@ -239,7 +312,11 @@ class KernelRatioELBO(ImplicitELBO):
         if names and not ac:
             p_parts = prior_particles(model, args, kwargs, names, self.num_prior_samples, mpn)
 
-        for group in self._groups(guide, names) if names else []:
+        if links is None:  # unknown prior structure: one joint estimate is always valid
+            groups = [names] if names else []
+        else:
+            groups = self._groups(guide, names, links) if names else []
+        for group in groups:
             scale = _common_scale([latents[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
             if ac:
@@ -249,8 +326,9 @@ class KernelRatioELBO(ImplicitELBO):
                 # estimator handles far better than a comparison with a distant prior.
                 contrast = _fit_contrast(q.detach(), ac)
                 log_r = contrast.log_prob(q)
+                # unscaled: the group's scale multiplies the whole term once, below
                 log_p = sum(
-                    particle_sum(latents[name]["log_prob"], n, mpn) + log_jac[name]
+                    particle_sum(_unscaled_log_prob(latents[name]), n, mpn) + log_jac[name]
                     for name in group
                 )
                 z = _whiten(contrast, q)
@@ -270,32 +348,100 @@ class KernelRatioELBO(ImplicitELBO):
         # coincide here.
         return -elbo.detach(), -elbo
 
-    def _exact_term(self, latents, guide_trace):
-        r""":math:`\mathbb E_q[\log p(z) - \log q(z)]` over :attr:`exact_sites`, from the
-        densities in the two traces (their sum over particles, averaged)."""
+    def _prior_parameter_term(self, model, args, kwargs, model_trace, names):
+        r"""Zero in value, :math:`\mathbb E_q[\nabla_\theta \log p_\theta(z)]` in gradient
+        for parameters :math:`\theta` inside the priors of the kernel-estimated sites.
+
+        The kernel estimate sees the prior only through draws, which carry no gradient.
+        The model's prior is re-run on the detached draws (stopping before the likelihood)
+        so that the gradient reaches the parameters and not the guide through upstream
+        latents. Models without ``pyro.param`` calls skip this (a plain 0)."""
+        if not any(site["type"] == "param" for site in model_trace.nodes.values()):
+            return 0.0
         n, mpn = self.num_particles, self.max_plate_nesting
+        detached = poutine.Trace()
+        for name in names:
+            node = model_trace.nodes[name]
+            detached.add_node(name, **{**node, "value": node["value"].detach()})
+        vectorized = pyro.plate("_prior_parameters", n, dim=-mpn)(model)
+        tracer = poutine.trace(_StopAfterLatents(names)(poutine.replay(vectorized, detached)))
+        with poutine.block():
+            try:
+                tracer(*args, **kwargs)
+            except _StopAfter:
+                pass
         term = 0.0
+        for name in names:
+            site = tracer.msngr.trace.nodes[name]
+            log_p = site["fn"].log_prob(site["value"])
+            if log_p.requires_grad:
+                log_p = scale_and_mask(log_p, site["scale"], site["mask"])
+                log_p = particle_sum(log_p, n, mpn).mean()
+                term = term + (log_p - log_p.detach())
+        return term
+
+    def _exact_term(self, latents, guide_trace, links):
+        r""":math:`\mathbb E_q[\log p(z) - \log q(z)]` over :attr:`exact_sites`, from the
+        densities in the two traces with Pyro's own scaling (as ``Trace_ELBO``): the
+        model's prior of those sites against every guide site that has a density and is
+        not an implicit guide's record of a kernel-estimated site (an autoguide's
+        auxiliary site and its ``biject_to`` Jacobian Delta both count)."""
+        if not self.exact_sites:
+            return 0.0
+        n, mpn = self.num_particles, self.max_plate_nesting
+        implicit = {
+            name
+            for site in implicit_guide_sites(guide_trace)
+            for name in implicit_site_info(site)["guide"]._unconstrained_shapes
+        }
         for name in self.exact_sites:
             if name not in latents:
                 raise ValueError(
                     f"exact_sites names {name!r}, which is not a latent site of the model "
                     f"(latent sites: {sorted(latents)})"
                 )
-            site = guide_trace.nodes.get(name)
-            if site is None or "log_prob" not in site or isinstance(site["fn"], dist.Delta):
+            if name in implicit:
                 raise ValueError(
-                    f"exact_sites names {name!r}, but the guide draws it without a density "
-                    "(an implicit guide records a point mass there): give that site a guide "
-                    "of its own with a density, e.g. through AutoGuideList, or leave it to "
-                    "the kernel estimate"
+                    f"exact_sites names {name!r}, but an implicit guide draws it (no density): "
+                    "give that site a guide of its own with a density (e.g. through "
+                    "AutoGuideList, with the implicit guide built on "
+                    f"poutine.block(model, hide=[{name!r}])), or leave it to the kernel estimate"
                 )
-            value = (
-                particle_sum(latents[name]["log_prob"], n, mpn)
-                - particle_sum(site["log_prob"], n, mpn)
-            ).mean()
-            term = term + _common_scale([latents[name]]) * value
-            self.diagnostics[name] = {"kl": -value.item(), "clipped_fraction": 0.0, "exact": True}
-        return term
+        unnamed = sorted(set(latents) - implicit - set(self.exact_sites))
+        if unnamed:
+            raise ValueError(
+                f"latent sites {unnamed} are drawn by a guide with a density but are not in "
+                "exact_sites: with exact_sites, name every site not drawn by an implicit "
+                "guide, so that the guide's log-density is split correctly"
+            )
+        if links:
+            exact = set(self.exact_sites)
+            crossing = sorted(
+                (a, b)
+                for a, b in links
+                if a in latents and b in latents and (a in exact) != (b in exact)
+            )
+            if crossing:
+                raise ValueError(
+                    f"exact_sites {list(self.exact_sites)} and the other latent sites have "
+                    f"linked priors {crossing}: the exact and kernel KL terms add up to the "
+                    "KL only when the prior factorises between them"
+                )
+        log_p = sum(particle_sum(latents[name]["log_prob"], n, mpn) for name in self.exact_sites)
+        log_q = sum(
+            particle_sum(site["log_prob"], n, mpn)
+            for site in guide_trace.nodes.values()
+            if site["type"] == "sample"
+            and implicit_site_info(site) is None
+            and site["name"] not in implicit
+        )
+        value = (log_p - log_q).mean()
+        self.diagnostics["+".join(self.exact_sites)] = {
+            "kl": -value.item(),
+            "clipped_fraction": 0.0,
+            "exact": True,
+        }
+        return value
 
 
 def _latent_groups(guide):
@@ -349,3 +495,22 @@ def _common_scale(sites):
             "subsampled plate (scaled by size / subsample_size) are not supported"
         )
     return scales.pop()
+
+
+def _unscaled_log_prob(site):
+    """A site's log-density with its mask but without its ``poutine.scale``."""
+    return scale_and_mask(site["unscaled_log_prob"], mask=site["mask"])
+
+
+def _refuse_subsampled_latents(sites):
+    for site in sites:
+        for frame in site["cond_indep_stack"]:
+            if frame.full_size is not None and frame.full_size != frame.size:
+                raise NotImplementedError(
+                    f"Latent site {site['name']!r} is a local latent inside the subsampled "
+                    f"plate {frame.name!r} (size {frame.full_size}, subsample_size "
+                    f"{frame.size}): KernelRatioELBO estimates the KL of global latents "
+                    "from joint draws and cannot estimate a minibatch of local ones. "
+                    "Sample local latents outside the subsampled plate, or train them with "
+                    "SIVI_ELBO and a SemiImplicitEncoder."
+                )

@@ -39,6 +39,7 @@ import math
 import warnings
 
 import torch
+from pyro.distributions.util import scale_and_mask
 from torch.func import jvp, vjp
 
 from ..guides.base import implicit_site_info
@@ -419,7 +420,7 @@ class LIVI_ELBO(ImplicitELBO):
         diagnostics = {}
         for site in implicit_guide_sites(guide_trace):
             site_entropy, details = self._site_entropy(guide_trace, site)
-            entropy = entropy + site["scale"] * site_entropy
+            entropy = entropy + scale_and_mask(site_entropy, site["scale"], site["mask"])
             diagnostics[site["name"]] = details
         elbo = (log_joint - log_guide + self.entropy_weight * entropy).mean()
         self.diagnostics = {"elbo": elbo.item(), "bound": self.bound}

@@ -32,6 +32,7 @@ import numbers
 import warnings
 
 import torch
+from pyro.distributions.util import scale_and_mask
 
 from ..guides.base import implicit_site_info
 from .base import (
@@ -241,13 +242,17 @@ class SIVI_ELBO(ImplicitELBO):
         if bound == "lower":
             parts.append(guide.conditional_log_prob(z, psi_own, x).unsqueeze(1))
         if num_mixing > 0:
-            psi_extra = guide.sample_mixing(num_mixing, x)  # (K, *batch, D)
+            psi_extra = guide.sample_mixing(num_mixing, x)  # (K, *x_batch, D)
+            # align x's batch with z's, which has a singleton for every particle-plate
+            # dim left of the data plate: (K, 1, ..., 1, *x_batch, D)
+            pad = (1,) * (z.dim() - psi_extra.dim())
+            psi_extra = psi_extra.reshape(psi_extra.shape[:1] + pad + psi_extra.shape[1:])
             parts.append(guide.conditional_log_prob(z.unsqueeze(1), psi_extra, x))
         log_q = torch.cat(
             [p.expand((z.shape[0], p.shape[1]) + p.shape[2:]) for p in parts], dim=1
         )
         log_h = torch.logsumexp(log_q, dim=1) - math.log(log_q.shape[1])  # (J, *batch)
-        log_h = log_h.expand((n,) + log_h.shape[1:]) * site["scale"]
+        log_h = scale_and_mask(log_h.expand((n,) + log_h.shape[1:]), site["scale"], site["mask"])
         return log_h.reshape(n, -1).sum(-1)
 
     def _particle_terms(self, model, guide, args, kwargs, num_mixing, bound="lower"):
@@ -257,7 +262,8 @@ class SIVI_ELBO(ImplicitELBO):
         for site in implicit_guide_sites(guide_trace):
             log_h = self._log_mixture_density(guide_trace, site, num_mixing, bound)
             if "local" not in implicit_site_info(site)["capabilities"]:
-                log_h = site["scale"] * log_h  # the local path applies it per point
+                # as Trace_ELBO treats a guide density (the local path does it per point)
+                log_h = scale_and_mask(log_h, site["scale"], site["mask"])
             log_guide = log_guide + log_h
         return self.log_joint_particles(model_trace) - log_guide
 

@@ -84,6 +84,11 @@ class ImplicitGuide(ImplicitAutoGuide):
         self._noise_dim_arg = noise_dim
         self._hidden_dims = None if hidden_dims is None else tuple(hidden_dims)
         self._activation = activation
+        if per_site and callable(generator) and not isinstance(generator, str):
+            raise ValueError(
+                "per_site=True builds one generator per site, so q factorises across sites; "
+                "a custom generator is one network over the whole latent: drop per_site"
+            )
         self.per_site = bool(per_site) or generator == "mmnn"
         self._mmnn_noise_shape = mmnn_noise_shape
         self._mmnn_hidden_shapes = mmnn_hidden_shapes
@@ -116,12 +121,18 @@ class ImplicitGuide(ImplicitAutoGuide):
     def _site_generator(self, name):
         shape = tuple(s for s in self._unconstrained_shapes[name] if s != 1)
         numel = math.prod(shape)
-        if self._generator_spec == "mmnn" and len(shape) == 2:
-            return self._mmnn(shape)
         options = self._site_options.get(name, {})
         unknown = set(options) - {"noise_dim", "hidden_dims"}
         if unknown:
             raise ValueError(f"unknown site_options {sorted(unknown)} for site '{name}'")
+        if self._generator_spec == "mmnn" and len(shape) == 2:
+            if options:
+                raise ValueError(
+                    f"site_options sizes the MLP generator of a site, but the matrix site "
+                    f"'{name}' is drawn by the matrix generator: size it with "
+                    "mmnn_noise_shape and mmnn_hidden_shapes"
+                )
+            return self._mmnn(shape)
         return self._mlp(numel, options.get("noise_dim"), options.get("hidden_dims"))
 
     def _build_sampler(self, init_loc):
@@ -139,6 +150,12 @@ class ImplicitGuide(ImplicitAutoGuide):
                 )
         elif self.per_site:
             names = list(self._unconstrained_shapes)
+            strangers = sorted(set(self._site_options) - set(names))
+            if strangers:
+                raise ValueError(
+                    f"site_options names {strangers}, which are not latent sites of the model "
+                    f"(latent sites: {names})"
+                )
             gen = BlockGenerator([self._site_generator(n) for n in names], names)
         else:
             gen = self._mlp(self.latent_dim)

@@ -292,7 +292,7 @@ class FunctionSpaceSVGD(ParticleInference):
         sub = trace.nodes.get(frames[0].name)
         if sub is None or not site_is_subsample(sub):
             raise RuntimeError(f"no subsample indices recorded for plate '{frames[0].name}'")
-        return x.index_select(0, sub["value"])
+        return x.index_select(0, sub["value"].to(x.device))
 
     def _prior_rows(self, n_lab, n_ext):
         total = n_lab + n_ext
@@ -369,6 +369,13 @@ class FunctionSpaceSVGD(ParticleInference):
             else:
                 grads = [None] * len(inputs)
             g_site = grads[0]
+            if g_site is None and observed:
+                raise ValueError(
+                    f"the likelihood ({observed}) does not use the value recorded at "
+                    f"'{self.function_site}', so FunctionSpaceSVGD would see no likelihood "
+                    "gradient: pass the very tensor given to pyro.deterministic to the "
+                    "observation's distribution (not a recomputed copy)"
+                )
             if g_site is None:
                 g_lab = torch.zeros_like(f_lab)
             else:

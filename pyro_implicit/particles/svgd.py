@@ -56,8 +56,10 @@ __all__ = [
 #: update rules of f-POVI's Table 1
 METHODS = ("svgd", "wsgld", "pisgld", "gfsf")
 
-#: diagonal jitter of the GFSF kernel-matrix solve (the authors' code uses a plain inverse)
-GFSF_JITTER = 1e-6
+#: diagonal jitter of the GFSF kernel-matrix solve, per dtype (the f-POVI code uses a plain
+#: inverse; 1e-6 is below float32 rounding of a Gram matrix with unit diagonal, so float32
+#: takes the 1e-4 of the GPVI authors' ALF code)
+GFSF_JITTER = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 SteinDirection = collections.namedtuple(
     "SteinDirection", ["direction", "drive", "repulsion", "bandwidth"]
@@ -141,7 +143,7 @@ def stein_direction(particles, score, kernel, method="svgd"):
     repulsion = _pairwise_weighted(z, a)
     if method == "gfsf":
         eye = torch.eye(n, dtype=k.dtype, device=k.device)
-        chol = torch.linalg.cholesky(k + GFSF_JITTER * eye)
+        chol = torch.linalg.cholesky(k + GFSF_JITTER.get(k.dtype, 1e-3) * eye)
         rep = torch.cholesky_solve(repulsion, chol)
         return SteinDirection(g + rep, g, rep, bandwidth)
     s = k.sum(-1)  # a constant of the update (stop-gradient in the authors' code)
