@@ -269,6 +269,7 @@ class KernelRatioELBO(ImplicitELBO):
         other's value), read once per model with Pyro's dependency tracer."""
         key = id(model)
         if key not in self._links:
+            rng = pyro.util.get_rng_state()  # reading the structure leaves the stream as is
             try:
                 deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
             except Exception as e:  # the tracer cannot follow every model
@@ -279,6 +280,8 @@ class KernelRatioELBO(ImplicitELBO):
                     stacklevel=4,
                 )
                 deps = None
+            finally:
+                pyro.util.set_rng_state(rng)
             self._links[key] = (
                 None
                 if deps is None
