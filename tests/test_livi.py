@@ -240,6 +240,18 @@ def test_constraint_jacobian_sign_and_exact_guides():
     assert livi.loss(model, normal, counts) == pytest.approx(expected, abs=0.05)
 
 
+def test_one_draw_per_step_is_an_unbiased_estimate():
+    # each draw's linearised entropy stands alone, so S = 1 (the paper's image setting) is
+    # allowed: the mean of many one-draw losses is the many-draw loss
+    y = torch.randn(5)
+    guide = LinearizedGuide(normal_normal, hidden_dims=(), sigma=0.3)
+    guide(y)
+    many = LIVI_ELBO(num_particles=20000).loss(normal_normal, guide, y)
+    one = LIVI_ELBO(num_particles=1)
+    ones = torch.tensor([one.loss(normal_normal, guide, y) for _ in range(2000)])
+    assert ones.mean().item() == pytest.approx(many, abs=4 * ones.std().item() / 2000**0.5)
+
+
 @pytest.mark.parametrize("bound", ["det", "svd"])
 def test_default_guide_learns_normal_normal(bound):
     y = torch.randn(10) + 1.0

@@ -272,7 +272,7 @@ class ImplicitELBO(ELBO):
     """Base class of losses for guides without a tractable density.
 
     :param int num_particles: number of joint draws of the guide per step (all drawn in
-        one vectorised trace; at least 2).
+        one vectorised trace; at least :attr:`min_particles`).
     :param int max_plate_nesting: the model's plate nesting (guessed on the first call if
         omitted, as in Pyro).
     :param bool check_vectorization: run :func:`check_vectorized_log_joint` on the first
@@ -282,6 +282,10 @@ class ImplicitELBO(ELBO):
     #: the guide capability the loss needs (see ``ImplicitAutoGuide.capabilities``)
     required_capability = "sample"
 
+    #: fewest draws per step the estimator works with: 2 for estimators that use the draws
+    #: jointly (kernels), 1 where each draw's entropy term stands alone
+    min_particles = 2
+
     def __init__(
         self,
         num_particles=2,
@@ -289,10 +293,10 @@ class ImplicitELBO(ELBO):
         check_vectorization=True,
         retain_graph=None,
     ):
-        if num_particles < 2:
+        if num_particles < self.min_particles:
             raise ValueError(
                 f"{type(self).__name__} estimates the entropy from the particles jointly and "
-                f"needs num_particles >= 2, got {num_particles}"
+                f"needs num_particles >= {self.min_particles}, got {num_particles}"
             )
         super().__init__(
             num_particles=num_particles,
@@ -319,6 +323,12 @@ class ImplicitELBO(ELBO):
         ]
         dims = [f.dim for site in sites for f in site["cond_indep_stack"] if f.vectorized]
         self.max_plate_nesting = (-min(dims) if dims else 0) + 1
+
+    def _vectorized_num_particles(self, fn):
+        # always the outer particle plate, for one particle too (Pyro's ELBO drops it
+        # then), so that every estimator reads the particles off the same dim
+        dim = -self.max_plate_nesting
+        return pyro.plate("num_particles_vectorized", self.num_particles, dim=dim)(fn)
 
     def _get_trace(self, model, guide, args, kwargs):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)

@@ -336,8 +336,7 @@ class LIVI_ELBO(ImplicitELBO):
     code's two weights (its ``jacobi_down_weight`` and ``prob_down_weight``); they default
     to 1 (off) and warn when changed.
 
-    :param int num_particles: S, draws per step (the paper: 1-2 for images; at least 2
-        here).
+    :param int num_particles: S, draws per step (the paper: 1-2 for images).
     :param str bound: ``"det"`` (L', eq. 15, whole Jacobians, :math:`O(Dd)` memory) or
         ``"svd"`` (L'', eq. 18, matrix-free, :math:`O(D + d)` memory).
     :param int num_iterations: LOBPCG iterations for ``bound="svd"`` (the authors' code:
@@ -357,6 +356,7 @@ class LIVI_ELBO(ImplicitELBO):
     """
 
     required_capability = "jacobian"
+    min_particles = 1  # each draw's linearised entropy stands alone
 
     def __init__(
         self,

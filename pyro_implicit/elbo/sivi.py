@@ -150,6 +150,7 @@ class SIVI_ELBO(ImplicitELBO):
     """
 
     required_capability = "conditional_density"
+    min_particles = 1  # the mixture density of each draw uses its own K extra draws
 
     def __init__(
         self,
