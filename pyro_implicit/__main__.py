@@ -52,6 +52,7 @@ import time
 import warnings
 
 import torch
+from pyro import poutine
 
 from . import __version__
 from .diagnostics.compare import METHODS, compare, guess_max_plate_nesting
@@ -86,13 +87,32 @@ class InputError(Exception):
     """Bad input on the command line: reported on stderr with exit code 2."""
 
 
-def _positive_int(text):
+def _int_at_least(low, high=None):
+    """An argparse type: an integer in ``[low, high]``."""
+    what = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+
+
+def _positive_float(text):
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -121,17 +141,18 @@ def build_parser():
                    "(default %(default)s)")
     p.add_argument("--steps", type=_positive_int, default=DEFAULTS["steps"],
                    help="optimisation steps per method (default %(default)s)")
-    p.add_argument("--samples", type=_positive_int, default=DEFAULTS["samples"],
-                   help="posterior draws per guide (default %(default)s)")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--samples", type=_int_at_least(2), default=DEFAULTS["samples"],
+                   help="posterior draws per guide, at least 2 (default %(default)s)")
+    p.add_argument("--lr", type=_positive_float, default=None,
                    help="initial learning rate of every method (default: per method)")
-    p.add_argument("--nuts-samples", type=_positive_int, default=DEFAULTS["nuts_samples"],
-                   help="NUTS draws per chain (default %(default)s)")
-    p.add_argument("--nuts-warmup", type=_positive_int, default=DEFAULTS["nuts_warmup"],
+    p.add_argument("--nuts-samples", type=_int_at_least(4), default=DEFAULTS["nuts_samples"],
+                   help="NUTS draws per chain, at least 4 (default %(default)s)")
+    p.add_argument("--nuts-warmup", type=_int_at_least(0), default=DEFAULTS["nuts_warmup"],
                    help="NUTS warmup steps per chain (default %(default)s)")
     p.add_argument("--nuts-chains", type=_positive_int, default=DEFAULTS["nuts_chains"],
                    help="NUTS chains, run one after another (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed (default %(default)s)")
+    p.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0,
+                   help="seed (default %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch threads (default %(default)s: small models run fastest on one)")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
@@ -232,7 +253,7 @@ def load_user_model(spec):
         args=tuple(model_args),
         kwargs=dict(model_kwargs),
         max_plate_nesting=mpn,
-        description=(obj.__doc__ or "user model").strip().splitlines()[0],
+        description=next(iter((obj.__doc__ or "").strip().splitlines()), "user model"),
     )
 
 
@@ -254,7 +275,24 @@ def _load(args):
         raise InputError(str(e)) from e
     except Exception as e:
         raise InputError(f"running the model {spec.name} failed: {type(e).__name__}: {e}") from e
+    if getattr(args, "plot_sites", None):
+        _check_plot_sites(spec, args.plot_sites.split(","))
     return spec, mpn
+
+
+def _check_plot_sites(spec, coords):
+    """Refuse unknown ``--plot-sites`` before any fit (a prior draw gives the names)."""
+    from .diagnostics.plots import select_coordinates
+
+    trace = poutine.trace(spec.model).get_trace(*spec.args, **spec.kwargs)
+    draw = {
+        name: site["value"].detach().unsqueeze(0)
+        for name, site in trace.iter_stochastic_nodes()
+    }
+    try:
+        select_coordinates(draw, coords)
+    except ValueError as e:
+        raise InputError(f"--plot-sites: {e}") from e
 
 
 def _header(args, spec):
@@ -274,8 +312,12 @@ def _header(args, spec):
     return "\n".join(lines)
 
 
-def _loo_table(result, spec, mpn, seed):
-    """``az.compare`` of the ArviZ exports of every row, or ``None`` with the reason."""
+def _loo_tables(result, spec, mpn, seed):
+    """``az.compare`` of the ArviZ exports of every row, one table per observed site
+    (LOO needs one pointwise log-likelihood), or ``None`` with the reason.
+
+    :return: ``({site: table}, None)`` or ``(None, reason)``.
+    """
     from .diagnostics.arviz import _arviz, comparison_to_inference_data
 
     az = _arviz()
@@ -283,6 +325,7 @@ def _loo_table(result, spec, mpn, seed):
                                           max_plate_nesting=mpn, seed=seed)
     if not all("log_likelihood" in idata for idata in idatas.values()):  # 0.x and 1.x
         return None, "the model has no observed site"
+    sites = list(next(iter(idatas.values()))["log_likelihood"].data_vars)
     with warnings.catch_warnings():
         # Pareto-k warnings (and the Pareto fit's divisions by zero on collapsed particle
         # sets) are expected for VI draws and tiny runs: the table has a warning column.
@@ -290,7 +333,7 @@ def _loo_table(result, spec, mpn, seed):
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.filterwarnings("ignore", message=".*inplace keyword", category=DeprecationWarning)
-        return az.compare(idatas), None
+        return {site: az.compare(idatas, var_name=site) for site in sites}, None
 
 
 def write_report(folder, result, spec, mpn, args, header, total):
@@ -312,6 +355,34 @@ def write_report(folder, result, spec, mpn, args, header, total):
         fig.savefig(path, dpi=110)
         written.append(path)
 
+    data = result.to_dict()
+    data["model"] = {"name": spec.name, "description": spec.description}
+    data["command"] = {k: v for k, v in vars(args).items()}
+    data["header"] = header
+    data["total_seconds"] = total
+    try:
+        loo, why = _loo_tables(result, spec, mpn, args.seed)
+    except Exception as e:  # the report should not die on a LOO failure
+        loo, why = None, f"{type(e).__name__}: {e}"
+    if loo is not None:
+        for site, table in loo.items():
+            name = "loo.csv" if len(loo) == 1 else f"loo_{site}.csv"
+            path = os.path.join(folder, name)
+            table.to_csv(path)
+            written.append(path)
+        tables = {site: json.loads(t.to_json(orient="index")) for site, t in loo.items()}
+        data["loo"] = next(iter(tables.values())) if len(tables) == 1 else tables
+    else:
+        data["loo"] = {"skipped": why}
+    path = os.path.join(folder, "table.md")
+    with open(path, "w") as f:
+        f.write("```text\n" + header + "\n```\n\n" + result.to_markdown() + "\n\n"
+                + result.to_markdown(per_site=True) + "\n")
+    written.append(path)
+    path = os.path.join(folder, "comparison.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=_json_default)
+    written.append(path)
     coords = args.plot_sites.split(",") if args.plot_sites else None
     for name, r in result.methods.items():
         save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
@@ -327,31 +398,6 @@ def write_report(folder, result, spec, mpn, args, header, total):
                                         y=spec.extras.get("y_test"), max_plate_nesting=mpn,
                                         seed=args.seed), "predictive.png")
 
-    data = result.to_dict()
-    data["model"] = {"name": spec.name, "description": spec.description}
-    data["command"] = {k: v for k, v in vars(args).items()}
-    data["header"] = header
-    data["total_seconds"] = total
-    try:
-        loo, why = _loo_table(result, spec, mpn, args.seed)
-    except Exception as e:  # the report should not die on a LOO failure
-        loo, why = None, f"{type(e).__name__}: {e}"
-    if loo is not None:
-        path = os.path.join(folder, "loo.csv")
-        loo.to_csv(path)
-        written.append(path)
-        data["loo"] = json.loads(loo.to_json(orient="index"))
-    else:
-        data["loo"] = {"skipped": why}
-    path = os.path.join(folder, "table.md")
-    with open(path, "w") as f:
-        f.write("```text\n" + header + "\n```\n\n" + result.to_markdown() + "\n\n"
-                + result.to_markdown(per_site=True) + "\n")
-    written.append(path)
-    path = os.path.join(folder, "comparison.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=_json_default)
-    written.append(path)
     return written
 
 

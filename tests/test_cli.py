@@ -44,6 +44,14 @@ def broken(y):
     raise RuntimeError("boom")
 
 
+def two_observations(y):
+    "   "
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", y.shape[-1]):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+        pyro.sample("obs2", dist.Normal(mu, 2.0), obs=y)
+
+
 def discrete(y):
     k = pyro.sample("k", dist.Bernoulli(0.5))
     with pyro.plate("data", y.shape[-1]):
@@ -128,7 +136,13 @@ def test_no_arguments_is_the_default_job():
         (["compare", "--methods", "implicit,nope"], "unknown method(s) 'nope'; choose from: "
                                                     + ", ".join(METHODS)),
         (["compare", "--model", "nope"], "unknown model 'nope'; choose a built-in model"),
-        (["compare", "--steps", "0"], "expected a positive integer"),
+        (["compare", "--steps", "0"], "expected an integer >= 1"),
+        (["compare", "--samples", "1"], "expected an integer >= 2"),
+        (["compare", "--nuts-samples", "2"], "expected an integer >= 4"),
+        (["compare", "--nuts-warmup", "-1"], "expected an integer >= 0"),
+        (["compare", "--seed", "-1"], "expected an integer in [0, 4294967295]"),
+        (["compare", "--lr", "-1"], "expected a positive number"),
+        (["compare", "--lr", "nan"], "expected a positive number"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message, capsys):
@@ -167,3 +181,25 @@ def test_python_dash_m_exit_code():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown method(s) 'bogus'" in proc.stderr and proc.stdout == ""
+
+
+def test_unknown_plot_sites_exit_2_before_any_fit(user_file, capsys):
+    argv = ["compare", "--smoke", "--quiet", "--model", user_file + ":model",
+            "--report", "unused", "--plot-sites", "mu,nosuch"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "--plot-sites: no site or coordinate 'nosuch'" in captured.err
+    assert captured.out == ""  # nothing fitted
+
+
+def test_report_with_two_observed_sites_has_a_loo_table_per_site(user_file, tmp_path, capsys):
+    # a blank docstring names the model "user model"
+    report = tmp_path / "report"
+    argv = ["compare", "--model", user_file + ":two_observations", "--methods", "autonormal",
+            "--smoke", "--quiet", "--nuts-chains", "1", "--report", str(report)]
+    assert main(argv) == 0
+    assert "two_observations: user model" in capsys.readouterr().out
+    assert {"loo_obs.csv", "loo_obs2.csv"} <= set(os.listdir(report))
+    data = json.loads((report / "comparison.json").read_text())
+    assert set(data["loo"]) == {"obs", "obs2"}
+    assert set(data["loo"]["obs"]) == {"nuts", "autonormal"}

@@ -457,7 +457,8 @@ _KEY = (
     "mean err: max |mean - NUTS mean| / NUTS sd; sd ratio: min-max of sd / NUTS sd; "
     "W1 max: largest marginal 1-Wasserstein in NUTS sds; energy: energy distance of the "
     "standardised joint; corr err: largest correlation difference. Row 'nuts': first half "
-    "of its draws against the second half (Monte Carlo noise floor). seconds: wall time of "
+    "of its draws against the second half (NUTS's own Monte Carlo noise; a method's row, "
+    "with more draws on each side, has a lower floor). seconds: wall time of "
     "fit and draws; peak MB: rise of the process's peak memory during them."
 )
 
