@@ -129,6 +129,14 @@ def test_summary_loo_and_compare(exports):
     assert abs(table.loc["nuts", "elpd_loo"] - table.loc["autonormal", "elpd_loo"]) < 3
 
 
+def test_nuts_result_exports_divergences_per_draw(comparison, exports):
+    nuts = comparison.nuts
+    diverging = exports["nuts"].sample_stats["diverging"]
+    assert diverging.dims == ("chain", "draw") and diverging.shape == (2, 100)
+    assert int(diverging.sum()) == nuts.num_divergences
+    assert [int(d) for d in diverging.sum("draw")] == nuts.divergences_by_chain
+
+
 def test_mcmc_object_and_guide_sources(data):
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(vector_model, max_plate_nesting=1), num_samples=30, warmup_steps=30,

@@ -26,7 +26,7 @@ Groups:
 * ``observed_data``: the observed values.
 * ``sample_stats``: ``loss`` over the optimisation steps (dim ``loss_step``, not
   ``(chain, draw)``) when a loss trace is known; ``diverging`` ``(chain, draw)`` for a
-  Pyro ``MCMC`` object.
+  Pyro ``MCMC`` object or a :class:`~pyro_implicit.diagnostics.nuts.NUTSResult`.
 
 Dim names: a batch dim of a site inside ``pyro.plate("schools", 8)`` is called
 ``"schools"``; other dims ``"<site>_dim_<i>"`` as ArviZ names them.
@@ -272,18 +272,28 @@ def predictive_samples(model, args=(), kwargs=None, draws=None, sites=None,
 # ---------------------------------------------------------------------------------------
 
 
+def _diverging(by_chain, indices):
+    """``(chains, draws)`` booleans from each chain's divergent draw indices."""
+    chains, draws = next(iter(by_chain.values())).shape[:2]
+    diverging = np.zeros((chains, draws), dtype=bool)
+    for c, idx in enumerate(indices):
+        diverging[c, list(idx)] = True
+    return diverging
+
+
 def _draws_of(source, model, args, kwargs, num_samples, mpn, shapes):
     """``(by_chain, kind, loss_trace, extra_attrs, sample_stats)``: draws ``(C, S, ...)``."""
     if isinstance(source, NUTSResult):
         attrs = {"num_divergences": int(source.num_divergences)}
-        return dict(source.samples_by_chain), "mcmc", None, attrs, {}
+        by_chain = dict(source.samples_by_chain)
+        stats = {}
+        if source.diverging_draws:
+            stats["diverging"] = _diverging(by_chain, source.diverging_draws)
+        return by_chain, "mcmc", None, attrs, stats
     if isinstance(source, pyro.infer.MCMC):
         by_chain = {k: v.detach() for k, v in source.get_samples(group_by_chain=True).items()}
-        chains, draws = next(iter(by_chain.values())).shape[:2]
-        diverging = np.zeros((chains, draws), dtype=bool)
-        for c, idx in enumerate(source.diagnostics().get("divergences", {}).values()):
-            diverging[c, list(idx)] = True
-        return by_chain, "mcmc", None, {}, {"diverging": diverging}
+        indices = source.diagnostics().get("divergences", {}).values()
+        return by_chain, "mcmc", None, {}, {"diverging": _diverging(by_chain, indices)}
     if isinstance(source, MethodResult):
         attrs = {"method": source.name, "method_description": source.description}
         draws = {k: v for k, v in source.samples.items() if k in shapes}

@@ -676,7 +676,8 @@ def nuts_result_from_mcmc(mcmc):
     div = diag.get("divergences", {})
     acc = diag.get("acceptance rate", {})
     chains = next(iter(by_chain.values())).shape[0]
-    divergences = [len(div.get(f"chain {c}", [])) for c in range(chains)]
+    diverging = [list(div.get(f"chain {c}", [])) for c in range(chains)]
+    divergences = [len(d) for d in diverging]
     return NUTSResult(
         samples={k: v.reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()},
         samples_by_chain=by_chain,
@@ -689,6 +690,7 @@ def nuts_result_from_mcmc(mcmc):
         wall_time=math.nan,
         divergences_by_chain=divergences,
         acceptance_rate_by_chain=[float(acc.get(f"chain {c}", math.nan)) for c in range(chains)],
+        diverging_draws=diverging,
     )
 
 

@@ -37,6 +37,8 @@ class NUTSResult:
     :ivar list divergences_by_chain: post-warmup divergences of each chain.
     :ivar list acceptance_rate_by_chain: mean post-warmup acceptance rate of each chain.
     :ivar list seeds: the seed each chain ran with.
+    :ivar list diverging_draws: per chain, the indices of its post-warmup draws whose
+        transition diverged (ArviZ's ``sample_stats.diverging``).
     """
 
     samples: dict
@@ -47,6 +49,7 @@ class NUTSResult:
     divergences_by_chain: list = dataclasses.field(default_factory=list)
     acceptance_rate_by_chain: list = dataclasses.field(default_factory=list)
     seeds: list = dataclasses.field(default_factory=list)
+    diverging_draws: list = dataclasses.field(default_factory=list)
 
     @property
     def max_r_hat(self):
@@ -149,7 +152,7 @@ def run_nuts(
     try:
         pyro.set_rng_seed(seeds[0])
         check_continuous_latents(model, *args, **kwargs)
-        chains, divergences, acceptance = [], [], []
+        chains, diverging, acceptance = [], [], []
         for chain_seed in seeds:
             pyro.set_rng_seed(chain_seed)
             mcmc = MCMC(
@@ -162,7 +165,7 @@ def run_nuts(
             mcmc.run(*args, **kwargs)
             chains.append(mcmc.get_samples(group_by_chain=True))
             chain_diag = mcmc.diagnostics()
-            divergences.append(len(chain_diag.get("divergences", {}).get("chain 0", [])))
+            diverging.append(list(chain_diag.get("divergences", {}).get("chain 0", [])))
             acceptance.append(float(chain_diag.get("acceptance rate", {}).get("chain 0", math.nan)))
     finally:
         pyro.util.set_rng_state(rng_state)
@@ -182,9 +185,10 @@ def run_nuts(
         samples=samples,
         samples_by_chain=samples_by_chain,
         diagnostics=diagnostics,
-        num_divergences=sum(divergences),
+        num_divergences=sum(len(d) for d in diverging),
         wall_time=time.perf_counter() - start,
-        divergences_by_chain=divergences,
+        divergences_by_chain=[len(d) for d in diverging],
         acceptance_rate_by_chain=acceptance,
         seeds=seeds,
+        diverging_draws=diverging,
     )
