@@ -24,6 +24,7 @@ import datetime
 import json
 import math
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -224,6 +225,26 @@ def train_minibatches(step, x, y, config, progress, describe):
             progress(f"step {i + 1}/{steps}  {describe(result, n)}")
 
 
+def noise_std(model, draws, f):
+    """Observation noise sd per draw in normalised units, however the model sets it: a
+    ``noise_std`` site, a ``precision`` site, a fitted ``noise_scale`` parameter or the fixed
+    ``noise_scale``.
+
+    :param pyro_implicit.bnn.BNNRegression model: the benchmark model.
+    :param dict draws: the draws behind ``f`` (site name -> tensor with a leading draw dim).
+    :param torch.Tensor f: ``(S, n_test)`` function values of those draws.
+    :rtype: torch.Tensor
+    """
+    num = f.shape[0]
+    if "noise_std" in draws:
+        return draws["noise_std"].reshape(num)
+    if "precision" in draws:
+        return draws["precision"].rsqrt().reshape(num)
+    if model.learn_noise:
+        return pyro.param("noise_scale").detach().to(f).expand(num)
+    return f.new_full((num,), model.noise_scale)
+
+
 def _init_scaled(site):
     """Initial value of a site: weights ~ N(0, 1 / fan_in), other sites from the prior.
 
@@ -260,10 +281,7 @@ def fit_map(split, config, seed, progress):
     with torch.no_grad():
         point = guide.median(x, y)
         f = model.forward(point, split.x_test).unsqueeze(0)
-        if model.precision_prior is None:
-            noise = f.new_full((1,), model.noise_scale)
-        else:
-            noise = point["precision"].rsqrt().reshape(1)
+        noise = noise_std(model, point, f)
     return f, noise
 
 
@@ -363,15 +381,13 @@ def fit_kivi(split, config, seed, progress):
         num_samples = int(config["num_samples"])
         draws = weights.sample_posterior(num_samples)
         f = model.forward(draws, split.x_test)
-        if model.precision_prior is None:
-            noise = f.new_full((f.shape[0],), model.noise_scale)
-        elif explicit:
+        if explicit:
             q = pyro.distributions.Gamma(
                 pyro.param("q_precision_shape"), pyro.param("q_precision_rate")
             )
             noise = q.sample((num_samples,)).rsqrt().to(f.dtype)
         else:
-            noise = draws["precision"].rsqrt().reshape(-1)
+            noise = noise_std(model, draws, f)
     return f, noise
 
 
@@ -438,12 +454,7 @@ def _fit_particles(split, config, progress, function_space):
     with torch.no_grad():
         particles = inference.get_named_particles()
         f = model.forward(particles, x_test)
-        if "noise_std" in particles:
-            noise = particles["noise_std"].reshape(-1)
-        elif "precision" in particles:
-            noise = particles["precision"].rsqrt().reshape(-1)
-        else:
-            noise = f.new_full((f.shape[0],), model.noise_scale)
+        noise = noise_std(model, particles, f)
     return f, noise
 
 
@@ -504,7 +515,7 @@ def fit_livi(split, config, seed, progress):
     with torch.no_grad():
         draws = guide.sample_posterior(int(config["num_samples"]))
         f = model.forward(draws, split.x_test)
-        noise = pyro.param("noise_scale").detach().expand(f.shape[0])
+        noise = noise_std(model, draws, f)
     return f, noise
 
 
@@ -704,6 +715,18 @@ def markdown_table(results):
     return "\n".join(lines)
 
 
+def _git_commit():
+    """The checkout's commit (``+`` if it has uncommitted changes), or ``None``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def _write_json(results, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -759,11 +782,18 @@ def main(argv=None):
     previous = {}
     if args.resume and out.exists():
         previous = json.loads(out.read_text())
+        for key in ("method", "seed", "dtype", "smoke"):
+            if key in previous and previous[key] != results[key]:
+                raise SystemExit(
+                    f"--resume: {out} holds runs with {key}={previous[key]!r}, this run has "
+                    f"{key}={results[key]!r}; use another --out"
+                )
         results["datasets"] = previous.get("datasets", {})
         results["command"] = previous.get("command", results["command"])
         results["resumed"] = previous.get("resumed", []) + [results["started"]]
         results["started"] = previous.get("started", results["started"])
     t_start = time.perf_counter() - previous.get("total_seconds", 0.0)
+    commit = _git_commit()
     for name in args.datasets:
         method_defaults = METHOD_DEFAULTS.get(args.method)
         extra = {} if method_defaults is None else method_defaults(name)
@@ -805,6 +835,8 @@ def main(argv=None):
             record["splits"].append(
                 {
                     "split": k,
+                    "seed": seed,
+                    "commit": commit,
                     "n_train": split.n_train,
                     "n_test": split.n_test,
                     "num_samples": f.shape[0],
@@ -817,6 +849,9 @@ def main(argv=None):
                 f"{name:>8s}  split {k:2d}  rmse {rmse:9.4f}  ll {ll:9.4f}  {seconds:8.1f}s",
                 flush=True,
             )
+            if not (math.isfinite(rmse) and math.isfinite(ll)):
+                print(f"# {name} split {k} FAILED (non-finite metric): recorded, left out of "
+                      "the means", file=sys.stderr, flush=True)
             for metric in ("rmse", "ll"):
                 mean, se = _mean_se([s[metric] for s in record["splits"]])
                 record[f"{metric}_mean"], record[f"{metric}_se"] = mean, se

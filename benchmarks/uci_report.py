@@ -77,6 +77,13 @@ PAPERS = {
     },
 }
 
+#: the runner's method behind each paper's rows (a report refuses any other)
+PAPER_METHOD = {"kivi": "kivi", "fsvgd": "fsvgd", "wsvgd": "wsvgd", "livi": "livi",
+                "livi_svd": "livi_svd"}
+
+#: run settings that must agree for splits to share a table row
+RUN_KEYS = ("method", "seed", "dtype", "smoke")
+
 #: what the paper's "±" is
 PAPER_SPREAD = {"kivi": "sd", "fsvgd": "se", "wsvgd": "se", "livi": "?", "livi_svd": "?"}
 _SPREAD_NOTE = {
@@ -94,6 +101,10 @@ def _stats(values):
     return arr.mean(), sd / math.sqrt(arr.size) if arr.size > 1 else float("nan"), sd
 
 
+def _finite(value):
+    return value is not None and math.isfinite(value)
+
+
 def _fmt(mean, spread, digits=3):
     if mean is None or not math.isfinite(mean):  # e.g. the sd of a single split
         return "n/a"
@@ -106,32 +117,38 @@ def merge_datasets(runs, paths):
     """The splits of each data set, gathered from every result file, in first-seen order.
 
     Splits of one data set may be spread over several files (runs in parallel processes
-    each write their own file); they must have the same configuration and no split may
-    appear twice.
+    each write their own file); they must have the same configuration and run settings
+    (:data:`RUN_KEYS`: method, seed, dtype, smoke) and no split may appear twice.
 
     :param list runs: the loaded result files.
     :param list paths: their paths, for the error messages.
     :returns: ``{name: (config, splits)}`` for the data sets with at least one split.
-    :raises ValueError: on a configuration mismatch or a repeated split.
+    :raises ValueError: on a configuration or run-setting mismatch or a repeated split.
     """
     merged = {}
     for run, path in zip(runs, paths, strict=True):
+        settings = {key: run.get(key) for key in RUN_KEYS}
         for name, record in run["datasets"].items():
             if not record["splits"]:
                 continue
             if name not in merged:
-                merged[name] = (record["config"], [], path)
-            config, splits, first = merged[name]
+                merged[name] = (record["config"], [], path, settings)
+            config, splits, first, first_settings = merged[name]
             if record["config"] != config:
                 raise ValueError(
                     f"{name}: {path} and {first} were run with different configurations"
+                )
+            if settings != first_settings:
+                raise ValueError(
+                    f"{name}: {path} ({settings}) and {first} ({first_settings}) differ in "
+                    "their run settings"
                 )
             seen = {s["split"] for s in splits}
             repeated = sorted(seen & {s["split"] for s in record["splits"]})
             if repeated:
                 raise ValueError(f"{name}: splits {repeated} appear in {first} and in {path}")
             splits.extend(record["splits"])
-    return {name: (config, splits) for name, (config, splits, _) in merged.items()}
+    return {name: (config, splits) for name, (config, splits, _, _) in merged.items()}
 
 
 def report(paths, title, paper=None):
@@ -142,12 +159,22 @@ def report(paths, title, paper=None):
     :param str paper: key of :data:`PAPERS` to print beside our numbers, or ``None``.
     """
     runs = [json.loads(Path(p).read_text()) for p in paths]
+    if paper:
+        wrong = [str(p) for p, r in zip(paths, runs, strict=True)
+                 if r.get("method") != PAPER_METHOD[paper]]
+        if wrong:
+            raise ValueError(
+                f"--paper {paper} compares with the paper's {PAPER_METHOD[paper]!r} rows, but "
+                f"{wrong} hold another method's runs"
+            )
     lines = [f"# UCI regression: {title}", ""]
     lines.append(
         "Protocol: standard splits (Hernandez-Lobato & Adams 2015), features and target "
         "normalised with the training split, test RMSE and per-point test log-likelihood "
         "in the original units. Ours: mean ± standard error over the splits run, and the "
-        "standard deviation over splits. " + _SPREAD_NOTE.get(PAPER_SPREAD.get(paper), "")
+        "standard deviation over splits; a failed split (non-finite metric) is left out of "
+        "the means and shown as failed in the Splits column. "
+        + _SPREAD_NOTE.get(PAPER_SPREAD.get(paper), "")
     )
     lines.append("")
     head = "| Data set | Splits | RMSE (± se) | RMSE sd | Test LL (± se) | LL sd | s / split |"
@@ -162,8 +189,10 @@ def report(paths, title, paper=None):
         rmse, rmse_se, rmse_sd = _stats([s["rmse"] for s in splits])
         ll, ll_se, ll_sd = _stats([s["ll"] for s in splits])
         secs = np.mean([s["seconds"] for s in splits])
+        failed = sum(1 for s in splits if not _finite(s["rmse"]) or not _finite(s["ll"]))
+        count = f"{len(splits) - failed} ({failed} failed)" if failed else f"{len(splits)}"
         row = (
-            f"| {name} | {len(splits)} | {_fmt(rmse, rmse_se)} | {_fmt(rmse_sd, None)} | "
+            f"| {name} | {count} | {_fmt(rmse, rmse_se)} | {_fmt(rmse_sd, None)} | "
             f"{_fmt(ll, ll_se)} | {_fmt(ll_sd, None)} | {secs:.0f} |"
         )
         if paper:

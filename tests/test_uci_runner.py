@@ -93,6 +93,15 @@ def test_smoke_run_boston_particles(runner, tmp_path, method):
          "--out", str(out)]
     )
     assert again["datasets"]["boston"]["splits"][0]["rmse"] == pytest.approx(split["rmse"])
+    assert split["seed"] == 0 and "commit" in split  # per-split provenance
+    # a resumed file refuses another method (f-SVGD and w-SVGD share a configuration),
+    # seed or dtype
+    other = "wsvgd" if method == "fsvgd" else "fsvgd"
+    for change in (["--method", other], ["--method", method, "--seed", "1"],
+                   ["--method", method, "--dtype", "float64"]):
+        with pytest.raises(SystemExit, match="--resume: .* holds runs with"):
+            runner.main(["--datasets", "boston", "--smoke", "--quiet", "--resume",
+                         "--out", str(out)] + change)
 
 
 def test_livi_defaults(runner):
@@ -125,12 +134,13 @@ def reporter():
     return module
 
 
-def _fake_run(rmses, first=0, config=None):
-    splits = [{"split": first + i, "rmse": r, "ll": -r, "seconds": 1.0}
+def _fake_run(rmses, first=0, config=None, method="kivi", seed=0):
+    splits = [{"split": first + i, "rmse": r, "ll": None if r is None else -r, "seconds": 1.0}
               for i, r in enumerate(rmses)]
     config = {"epochs": 1} if config is None else config
     return {"command": "python benchmarks/uci.py ...", "started": "now", "resumed": [],
             "versions": {"torch": "t", "pyro": "p"}, "threads": 1, "dtype": "float32",
+            "method": method, "seed": seed, "smoke": False,
             "datasets": {"boston": {"splits": splits, "config": config}}}
 
 
@@ -174,6 +184,21 @@ def test_report_merges_a_data_set_split_over_files(reporter, tmp_path):
     second.write_text(json.dumps(_fake_run([3.0], first=2, config={"epochs": 2})))
     with pytest.raises(ValueError, match="different configurations"):
         reporter.report([str(first), str(second)], "t")
+    # the same configuration from another method (f-SVGD and w-SVGD share theirs) or seed
+    for other in ({"method": "wsvgd"}, {"seed": 1}):
+        second.write_text(json.dumps(_fake_run([3.0], first=2, **other)))
+        with pytest.raises(ValueError, match="differ in their run settings"):
+            reporter.report([str(first), str(second)], "t")
+
+
+def test_report_refuses_another_methods_paper_and_counts_failed_splits(reporter, tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_fake_run([1.0, 2.0], method="map")))
+    with pytest.raises(ValueError, match="--paper kivi compares with the paper's 'kivi' rows"):
+        reporter.report([str(run)], "t", paper="kivi")
+    run.write_text(json.dumps(_fake_run([1.0, None, 3.0])))
+    text = reporter.report([str(run)], "t")
+    assert "| boston | 2 (1 failed) | 2.000 ± 1.000 |" in text
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
