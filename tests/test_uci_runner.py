@@ -223,3 +223,14 @@ def test_smoke_run_kivi_with_the_papers_gamma_precision(runner, tmp_path):
     assert math.isfinite(split["rmse"]) and math.isfinite(split["ll"])
     with pytest.raises(ValueError, match="precision_q must be"):
         runner.main(argv + ["--set", 'precision_q="beta"', "--out", str(tmp_path / "x.json")])
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_spread_benchmark_smoke():
+    path = RUNNER.parent / "uci_spread.py"
+    spec = importlib.util.spec_from_file_location("uci_spread", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--dataset", "yacht", "--methods", "wsvgd", "--epochs", "1"])
+    row = out["wsvgd"]
+    assert row["f_spread_mean"] > 0 and row["noise_std_min"] <= row["noise_std_max"]
