@@ -20,6 +20,7 @@ computes the metrics, so every method is scored the same way.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -202,9 +203,10 @@ def num_steps(n_train, config):
     return int(config["epochs"]) * math.ceil(n_train / batch)
 
 
-def train_minibatches(step, x, y, config, progress, describe):
+def train_minibatches(step, x, y, config, progress, describe, report_every=None):
     """Run ``config["epochs"]`` passes over the data in minibatches of ``batch_size`` drawn
-    by the model's data plate, printing ten progress lines.
+    by the model's data plate, printing a progress line every ``report_every`` steps (by
+    default ten in all).
 
     :param callable step: ``step(x, y, subsample_size=...)``, e.g. ``SVI.step``; returns
         what ``describe`` reads.
@@ -214,15 +216,26 @@ def train_minibatches(step, x, y, config, progress, describe):
     :param callable progress: ``progress(message)`` prints a progress line.
     :param callable describe: ``describe(result, n)`` gives the progress text of a step's
         result (``n`` is the number of training points).
+    :param int report_every: steps between progress lines.
     """
     n = x.shape[0]
     batch = min(int(config["batch_size"]), n)
     steps = num_steps(n, config)
-    report_every = max(1, steps // 10)
+    report_every = report_every or max(1, steps // 10)
     for i in range(steps):
         result = step(x, y, subsample_size=batch)
         if (i + 1) % report_every == 0 or i + 1 == steps:
             progress(f"step {i + 1}/{steps}  {describe(result, n)}")
+
+
+def optimizer(config):
+    """Adam with the run's ``lr``, the papers' optimiser; with a ``clip_norm`` setting,
+    Pyro's ``ClippedAdam`` that caps each parameter's gradient norm (not in the papers; see
+    ``benchmarks/results/kivi_spikes.md``)."""
+    clip_norm = config.get("clip_norm")
+    if clip_norm is None:
+        return pyro.optim.Adam({"lr": config["lr"]})
+    return pyro.optim.ClippedAdam({"lr": config["lr"], "clip_norm": float(clip_norm)})
 
 
 def noise_std(model, draws, f):
@@ -275,7 +288,7 @@ def fit_map(split, config, seed, progress):
     pyro.clear_param_store()
     model = make_model(split, config)
     guide = AutoDelta(model, init_loc_fn=_init_scaled)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), Trace_ELBO(max_plate_nesting=1))
+    svi = SVI(model, guide, optimizer(config), Trace_ELBO(max_plate_nesting=1))
     x, y = split.x_train, split.y_train
     train_minibatches(svi.step, x, y, config, progress, lambda loss, n: f"loss/n {loss / n:.4f}")
     with torch.no_grad():
@@ -323,18 +336,28 @@ def _gamma_precision_guide(*args, **kwargs):
     pyro.sample("precision", pyro.distributions.Gamma(shape, rate))
 
 
-def fit_kivi(split, config, seed, progress):
+@dataclasses.dataclass
+class KIVIFit:
+    """KIVI's pieces for one split (see :func:`build_kivi`)."""
+
+    model: BNNRegression
+    weights: ImplicitGuide  # the implicit guide of the weights
+    elbo: KernelRatioELBO
+    svi: SVI
+    explicit: bool  # the precision has KIVI's explicit Gamma q
+
+
+def build_kivi(split, config):
     """KIVI (Shi et al., 2018): layer-wise implicit posterior (``ImplicitGuide`` with
     per-site MLP generators of the paper's Table 3 sizes) trained with
-    ``KernelRatioELBO`` (n_p = n_q = 100, lambda = 1e-3, clip 1e-8) and Adam, minibatches
-    of ``batch_size`` scaled by the data plate. The noise precision gets the paper's
-    explicit Gamma q with an exact KL term (App. E; ``KernelRatioELBO(exact_sites=...)``;
-    ``precision_q="gamma"``, the runner's default for KIVI) or, with
-    ``precision_q="implicit"``, a small implicit generator of its own.
+    ``KernelRatioELBO`` (n_p = n_q = 100, lambda = 1e-3, clip 1e-8) and Adam
+    (:func:`optimizer`). The noise precision gets the paper's explicit Gamma q with an exact
+    KL term (App. E; ``KernelRatioELBO(exact_sites=...)``; ``precision_q="gamma"``, the
+    runner's default for KIVI) or, with ``precision_q="implicit"``, a small implicit
+    generator of its own.
 
-    See :func:`fit_map` for the signature; returns ``num_samples`` posterior draws.
+    :rtype: KIVIFit
     """
-    del seed
     pyro.clear_param_store()
     model = make_model(split, config)
     precision_q = config.get("precision_q", "implicit")
@@ -370,25 +393,43 @@ def fit_kivi(split, config, seed, progress):
         exact_sites=("precision",) if explicit else (),
         max_plate_nesting=1,
     )
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), elbo)
+    svi = SVI(model, guide, optimizer(config), elbo)
+    return KIVIFit(model, weights, elbo, svi, explicit)
 
-    def describe(loss, n):
-        clipped = max(d["clipped_fraction"] for d in elbo.diagnostics.values())
-        return f"loss/n {loss / n:.4f}  clipped {clipped:.2f}"
 
-    train_minibatches(svi.step, split.x_train, split.y_train, config, progress, describe)
+def predict_kivi(fit, x, num_samples):
+    """``(f, noise)``: ``num_samples`` draws of the function at ``x`` and of the noise sd.
+
+    :param KIVIFit fit: a trained :func:`build_kivi`.
+    """
     with torch.no_grad():
-        num_samples = int(config["num_samples"])
-        draws = weights.sample_posterior(num_samples)
-        f = model.forward(draws, split.x_test)
-        if explicit:
+        draws = fit.weights.sample_posterior(num_samples)
+        f = fit.model.forward(draws, x)
+        if fit.explicit:
             q = pyro.distributions.Gamma(
                 pyro.param("q_precision_shape"), pyro.param("q_precision_rate")
             )
             noise = q.sample((num_samples,)).rsqrt().to(f.dtype)
         else:
-            noise = noise_std(model, draws, f)
+            noise = noise_std(fit.model, draws, f)
     return f, noise
+
+
+def fit_kivi(split, config, seed, progress):
+    """KIVI (:func:`build_kivi`) trained with minibatches of ``batch_size`` scaled by the
+    data plate for ``epochs`` passes.
+
+    See :func:`fit_map` for the signature; returns ``num_samples`` posterior draws.
+    """
+    del seed
+    fit = build_kivi(split, config)
+
+    def describe(loss, n):
+        clipped = max(d["clipped_fraction"] for d in fit.elbo.diagnostics.values())
+        return f"loss/n {loss / n:.4f}  clipped {clipped:.2f}"
+
+    train_minibatches(fit.svi.step, split.x_train, split.y_train, config, progress, describe)
+    return predict_kivi(fit, split.x_test, int(config["num_samples"]))
 
 
 def _fpovi_inputs(split, config):
@@ -426,7 +467,7 @@ def _fit_particles(split, config, progress, function_space):
     y = split.y_train
     n_particles = int(config["num_particles"])
     init = _fpovi_init(model, config, n_particles, x.dtype)
-    optim = pyro.optim.Adam({"lr": config["lr"]})
+    optim = optimizer(config)
     if function_space:
         inference = FunctionSpaceSVGD(
             model,
@@ -506,7 +547,7 @@ def fit_livi(split, config, seed, progress):
     )
     elbo = LIVI_ELBO(num_particles=int(config["num_particles"]), bound=config["bound"],
                      max_plate_nesting=1)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": config["lr"]}), elbo)
+    svi = SVI(model, guide, optimizer(config), elbo)
 
     def describe(loss, n):
         return f"loss/n {loss / n:.4f}  noise {pyro.param('noise_scale').item():.4f}"

@@ -234,3 +234,19 @@ def test_spread_benchmark_smoke():
     out = module.main(["--dataset", "yacht", "--methods", "wsvgd", "--epochs", "1"])
     row = out["wsvgd"]
     assert row["f_spread_mean"] > 0 and row["noise_std_min"] <= row["noise_std_max"]
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_kivi_spikes_benchmark_smoke(tmp_path):
+    path = RUNNER.parent / "kivi_spikes.py"
+    spec = importlib.util.spec_from_file_location("kivi_spikes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "spikes.json"
+    result = module.main(["--dataset", "yacht", "--split", "0", "--every", "2", "--epochs", "1",
+                          "--clip-norms", "10", "--out", str(out)])
+    assert set(result["runs"]) == {"adam", "clipped_adam_10"}
+    run = result["runs"]["adam"]
+    assert run["steps"] == [2, 3]  # every 2 steps and the last of 3 (277 points, batch 100)
+    assert len(run["test_rmse"]) == 2 and math.isfinite(run["rmse"])
+    assert json.loads(out.read_text())["split"] == 0
