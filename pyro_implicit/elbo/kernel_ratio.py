@@ -140,6 +140,15 @@ class KernelRatioELBO(ImplicitELBO):
     paper's (eq. 7). :attr:`diagnostics` holds the last step's KL, bandwidth and clipped
     fraction per group.
 
+    **Gradient spikes.** The gradient of :math:`\log \hat r` is :math:`\nabla \hat r /
+    \hat r`, so a draw whose ratio lands just above the clip gets a very large gradient,
+    which Adam turns into a step of up to about 30 learning rates. On a UCI BNN with the
+    paper's settings this shows as occasional loss spikes that undo the fit for a few
+    hundred steps (``benchmarks/results/kivi_spikes.md``: yacht split 3 ends on one, test
+    RMSE 6.02 against about 1 between spikes). ``pyro.optim.ClippedAdam`` with
+    ``clip_norm=10`` removed them there (final RMSE 1.51) at the cost of a slightly slower
+    fit; the paper uses plain Adam.
+
     Usage::
 
         svi = SVI(model, ImplicitGuide(model), pyro.optim.Adam({"lr": 1e-3}),
