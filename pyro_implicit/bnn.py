@@ -20,6 +20,8 @@ would give ``(S, 1, n)``, which the data plate would broadcast against the ``S``
 into an ``(S, S, n)`` likelihood.
 """
 
+import contextlib
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -154,6 +156,16 @@ class _BNNBase:
             shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
             raise ValueError(f"x must be a tensor of shape (n, {self.in_dim}), got {shape}.")
 
+    @contextlib.contextmanager
+    def _data_plate(self, x, y, subsample_size):
+        """The data plate (dim -1; minibatch indices drawn on the data's device), yielding
+        the rows of ``x`` and ``y`` it selects."""
+        plate = pyro.plate("data", x.shape[0], subsample_size=subsample_size, dim=-1,
+                           device=x.device)
+        with plate as idx:
+            yb = None if y is None else self._subsample(y, idx, subsample_size)
+            yield self._subsample(x, idx, subsample_size), yb
+
     def _check_data(self, x, y):
         """Check the inputs and, unless ``None``, the targets (one per row of ``x``)."""
         self._check_x(x)
@@ -286,7 +298,6 @@ class BNNRegression(_BNNBase):
         :rtype: torch.Tensor
         """
         self._check_data(x, y)
-        n = x.shape[0]
         weights = self._sample_weights(x)
         if self.noise_std_prior is not None:
             a, b = self.noise_std_prior
@@ -301,10 +312,7 @@ class BNNRegression(_BNNBase):
             precision = pyro.sample("precision", dist.Gamma(x.new_tensor(a), x.new_tensor(b)))
             # a scalar site's value is already plate-aligned: () or (S, 1) under a plate at -2
             scale = precision.rsqrt()
-        plate = pyro.plate("data", n, subsample_size=subsample_size, dim=-1, device=x.device)
-        with plate as idx:
-            xb = self._subsample(x, idx, subsample_size)
-            yb = None if y is None else self._subsample(y, idx, subsample_size)
+        with self._data_plate(x, y, subsample_size) as (xb, yb):
             f = mlp_forward(weights, xb, self._act).squeeze(-1)
             pyro.deterministic("f", f, event_dim=0)
             pyro.sample("obs", dist.Normal(f, scale), obs=yb)
@@ -366,12 +374,8 @@ class BNNClassification(_BNNBase):
         :rtype: torch.Tensor
         """
         self._check_data(x, y)
-        n = x.shape[0]
         weights = self._sample_weights(x)
-        plate = pyro.plate("data", n, subsample_size=subsample_size, dim=-1, device=x.device)
-        with plate as idx:
-            xb = self._subsample(x, idx, subsample_size)
-            yb = None if y is None else self._subsample(y, idx, subsample_size)
+        with self._data_plate(x, y, subsample_size) as (xb, yb):
             logits = mlp_forward(weights, xb, self._act).log_softmax(-1)
             pyro.deterministic("logits", logits, event_dim=1)
             pyro.sample("obs", dist.Categorical(logits=logits), obs=yb)
