@@ -249,4 +249,7 @@ def test_kivi_spikes_benchmark_smoke(tmp_path):
     run = result["runs"]["adam"]
     assert run["steps"] == [2, 3]  # every 2 steps and the last of 3 (277 points, batch 100)
     assert len(run["test_rmse"]) == 2 and math.isfinite(run["rmse"])
+    # gradient sizes from the read-only hooks: one per evaluation, a share in [0, 1]
+    assert len(run["grad_max"]) == 2 and run["grad_max"][0] > 0
+    assert all(0 <= s <= 1 for s in run["steps_clamped"] + run["elements_clamped"])
     assert json.loads(out.read_text())["split"] == 0
