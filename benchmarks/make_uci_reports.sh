@@ -37,5 +37,5 @@ report $R/uci_kivi_adaptive_contrast.json --paper kivi \
   --title "KIVI with adaptive contrast and an implicit precision q (adaptive_contrast=\"diag\")" \
   --out $R/uci.md --section kivi_adaptive_contrast
 report $R/uci_kivi_clipped.json --paper kivi \
-  --title "KIVI on yacht with a gradient-norm cap (ClippedAdam, clip_norm=10; not the paper's optimiser)" \
+  --title "KIVI on yacht with gradient clipping (ClippedAdam, clip_norm=10: each gradient element clamped to +-10; not the paper's optimiser)" \
   --out $R/uci.md --section kivi_clipped

@@ -230,8 +230,8 @@ def train_minibatches(step, x, y, config, progress, describe, report_every=None)
 
 def optimizer(config):
     """Adam with the run's ``lr``, the papers' optimiser; with a ``clip_norm`` setting,
-    Pyro's ``ClippedAdam`` that caps each parameter's gradient norm (not in the papers; see
-    ``benchmarks/results/kivi_spikes.md``)."""
+    Pyro's ``ClippedAdam``, which clamps each gradient element to +-clip_norm (not in the
+    papers; see ``benchmarks/results/kivi_spikes.md``)."""
     clip_norm = config.get("clip_norm")
     if clip_norm is None:
         return pyro.optim.Adam({"lr": config["lr"]})

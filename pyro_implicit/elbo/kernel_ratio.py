@@ -146,8 +146,10 @@ class KernelRatioELBO(ImplicitELBO):
     paper's settings this shows as occasional loss spikes that undo the fit for a few
     hundred steps (``benchmarks/results/kivi_spikes.md``: yacht split 3 ends on one, test
     RMSE 6.02 against about 1 between spikes). ``pyro.optim.ClippedAdam`` with
-    ``clip_norm=10`` removed them there (final RMSE 1.51) at the cost of a slightly slower
-    fit; the paper uses plain Adam.
+    ``clip_norm=10``, which clamps each gradient element to +-10, removed them there (final
+    RMSE 1.51), but on yacht splits without spikes it ended worse than Adam (e.g. 1.31
+    against 0.69; ``benchmarks/results/uci.md``): try it when you see spikes and check it
+    on held-out data. The paper uses plain Adam.
 
     Usage::
 
