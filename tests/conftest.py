@@ -1,5 +1,7 @@
+import importlib.util
 import io
 import os
+from pathlib import Path
 
 import pyro
 import pytest
@@ -19,6 +21,23 @@ def _pyro_state():
     pyro.set_rng_seed(int(os.environ.get("PYRO_IMPLICIT_TEST_SEED", "0")))
     yield
     torch.set_default_dtype(dtype)
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """``load(name)``: the script ``benchmarks/<name>.py`` imported as a module (the
+    benchmarks are scripts, not a package)."""
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture

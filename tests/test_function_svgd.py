@@ -507,15 +507,9 @@ def test_exact_gp_toy_beats_downsampled_baseline(minibatch):
     assert (f_test.mean(0) - mean).abs().max() < (0.1 if minibatch else 0.05)
 
 
-def test_fpovi_1d_benchmark_smoke(tmp_path):
+def test_fpovi_1d_benchmark_smoke(tmp_path, load_benchmark):
     """benchmarks/fpovi_1d.py --smoke runs all three methods and writes the figure."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fpovi_1d.py"
-    spec = importlib.util.spec_from_file_location("fpovi_1d", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("fpovi_1d")
     default = torch.get_default_dtype()
     try:
         summary = module.main(["--smoke", "--out", str(tmp_path / "fig.png")])

@@ -3,8 +3,6 @@
 Reference numbers and test designs are the GPVI digest's Sec. 8.5 (notes/seeds/gpvi.md).
 """
 
-import importlib.util
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -272,16 +270,8 @@ def test_energy_potentials():
 
 
 # ------------------------------------------------------------------------ benchmarks
-def _benchmark_module():
-    path = Path(__file__).parents[1] / "benchmarks" / "gpvi.py"
-    spec = importlib.util.spec_from_file_location("gpvi_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("command", ["gaussian", "blr", "energy"])
-def test_benchmark_smoke(command, capsys):
-    rows = _benchmark_module().main([command, "--smoke", "--seed", "1"])
+def test_benchmark_smoke(command, capsys, load_benchmark):
+    rows = load_benchmark("gpvi").main([command, "--smoke", "--seed", "1"])
     assert rows
     assert "| method |" in capsys.readouterr().out

@@ -370,19 +370,8 @@ def test_svd_bound_step_at_large_latent_size():
     assert elbo.diagnostics["smallest_singular_value"] > 0
 
 
-def _livi_benchmark(name):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_scale_benchmark_smoke(tmp_path):
-    record = _livi_benchmark("livi_scale").main(
+def test_scale_benchmark_smoke(tmp_path, load_benchmark):
+    record = load_benchmark("livi_scale").main(
         ["--smoke", "--out", str(tmp_path / "s.json"), "--figure", str(tmp_path / "s.png")])
     assert (tmp_path / "s.png").exists() and (tmp_path / "s.json").exists()
     rows = record["results"]
@@ -394,10 +383,10 @@ def test_scale_benchmark_smoke(tmp_path):
     assert rows[0]["latent_dim"] == h * h + 13 * h + 1 and abs(rows[0]["latent_dim"] - 300) < 30
 
 
-def test_toy_benchmark_smoke(tmp_path):
+def test_toy_benchmark_smoke(tmp_path, load_benchmark):
     default = torch.get_default_dtype()
     try:
-        record = _livi_benchmark("livi_toy").main(["--smoke", "--figure", str(tmp_path / "t.png")])
+        record = load_benchmark("livi_toy").main(["--smoke", "--figure", str(tmp_path / "t.png")])
     finally:
         torch.set_default_dtype(default)
     assert (tmp_path / "t.png").exists()
@@ -407,8 +396,8 @@ def test_toy_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
-def test_mnist_benchmark_smoke():
-    record = _livi_benchmark("livi_mnist").main(["--smoke", "--quiet"])
+def test_mnist_benchmark_smoke(load_benchmark):
+    record = load_benchmark("livi_mnist").main(["--smoke", "--quiet"])
     for r in record["results"]:
         assert 0 <= r["test"]["accuracy"] <= 1 and r["test"]["nll"] > 0
         assert set(r["ood"]) == {"rotated 90", "uniform noise"}

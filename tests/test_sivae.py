@@ -1,9 +1,7 @@
 """Amortised semi-implicit encoder (SIVAE, Yin & Zhou 2018 eq. 12) trained by SIVI_ELBO,
 against the closed-form posterior of a linear-Gaussian latent-variable model."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -148,11 +146,8 @@ def _have_mnist():
 
 
 @pytest.mark.skipif(not _have_mnist(), reason="MNIST t10k files not available")
-def test_mnist_benchmark_smoke():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sivae_mnist.py"
-    spec = importlib.util.spec_from_file_location("bench_sivae_mnist", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_mnist_benchmark_smoke(load_benchmark):
+    module = load_benchmark("sivae_mnist")
     results = module.main(["--smoke"])
     for log_lik, _, _ in results.values():
         assert log_lik.shape == (20,) and torch.isfinite(log_lik).all()

@@ -3,10 +3,8 @@
 Reference numbers for the degeneracy test are the digest's Sec. 10.4 (notes/seeds/sivi.md).
 """
 
-import importlib.util
 import math
 from contextlib import nullcontext
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -500,16 +498,6 @@ def test_toy_model_posterior_is_the_target(name):
 
 
 # --------------------------------------------------------------------------- benchmarks
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load_benchmark(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _have_sivi_data():
     try:
         return (data_dir() / "sivi" / "waveform.mat").exists()
@@ -518,8 +506,8 @@ def _have_sivi_data():
 
 
 @pytest.mark.filterwarnings("ignore:ConditionalAutoRegressiveNN input_dim = 1")
-def test_toys_benchmark_smoke(tmp_path):
-    rows = _load_benchmark("sivi_toys").main(
+def test_toys_benchmark_smoke(tmp_path, load_benchmark):
+    rows = load_benchmark("sivi_toys").main(
         ["--smoke", "--targets", "gamma", "--figure", str(tmp_path / "f.png")]
     )
     assert {method for _, method, *_ in rows} >= {"SIVI", "AutoIAFNormal", "NUTS (reference)"}
@@ -527,12 +515,12 @@ def test_toys_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.skipif(not _have_sivi_data(), reason="sivi/waveform.mat not available")
-def test_waveform_benchmark_smoke():
-    draws = _load_benchmark("sivi_waveform").main(["--smoke"])
+def test_waveform_benchmark_smoke(load_benchmark):
+    draws = load_benchmark("sivi_waveform").main(["--smoke"])
     assert draws["SIVI"].shape == (20, 22) and draws["NUTS"].shape == (20, 22)
 
 
 @pytest.mark.skipif(not _have_sivi_data(), reason="sivi/waveform.mat not available")
-def test_step_time_benchmark_smoke():
-    times = _load_benchmark("sivi_step_time").main(["--smoke"])
+def test_step_time_benchmark_smoke(load_benchmark):
+    times = load_benchmark("sivi_step_time").main(["--smoke"])
     assert set(times) == {"AutoNormal", "KIVI", "SIVI K=1", "SIVI K=4"}

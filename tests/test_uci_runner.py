@@ -1,9 +1,7 @@
 """Smoke test of the UCI benchmark runner (benchmarks/uci.py), run in-process."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,15 +10,11 @@ from pyro_implicit.datasets import data_available
 
 torch.set_num_threads(1)
 
-RUNNER = Path(__file__).resolve().parent.parent / "benchmarks" / "uci.py"
 
 
 @pytest.fixture(scope="module")
-def runner():
-    spec = importlib.util.spec_from_file_location("uci_runner", RUNNER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def runner(load_benchmark):
+    return load_benchmark("uci")
 
 
 def test_parse_splits(runner):
@@ -126,12 +120,8 @@ def test_smoke_run_boston_livi(runner, tmp_path, method):
 
 
 @pytest.fixture(scope="module")
-def reporter():
-    path = RUNNER.parent / "uci_report.py"
-    spec = importlib.util.spec_from_file_location("uci_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def reporter(load_benchmark):
+    return load_benchmark("uci_report")
 
 
 def _fake_run(rmses, first=0, config=None, method="kivi", seed=0):
@@ -202,11 +192,8 @@ def test_report_refuses_another_methods_paper_and_counts_failed_splits(reporter,
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
-def test_kivi_collapse_smoke(capsys):
-    path = RUNNER.parent / "kivi_collapse.py"
-    spec = importlib.util.spec_from_file_location("kivi_collapse", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_kivi_collapse_smoke(capsys, load_benchmark):
+    module = load_benchmark("kivi_collapse")
     module.main(["--dataset", "yacht", "--steps", "2", "--every", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert len(lines) == 2 and "precision median" in lines[-1] and "'layer0'" in lines[-1]
@@ -226,22 +213,16 @@ def test_smoke_run_kivi_with_the_papers_gamma_precision(runner, tmp_path):
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
-def test_spread_benchmark_smoke():
-    path = RUNNER.parent / "uci_spread.py"
-    spec = importlib.util.spec_from_file_location("uci_spread", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_spread_benchmark_smoke(load_benchmark):
+    module = load_benchmark("uci_spread")
     out = module.main(["--dataset", "yacht", "--methods", "wsvgd", "--epochs", "1"])
     row = out["wsvgd"]
     assert row["f_spread_mean"] > 0 and row["noise_std_min"] <= row["noise_std_max"]
 
 
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
-def test_kivi_spikes_benchmark_smoke(tmp_path):
-    path = RUNNER.parent / "kivi_spikes.py"
-    spec = importlib.util.spec_from_file_location("kivi_spikes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_kivi_spikes_benchmark_smoke(tmp_path, load_benchmark):
+    module = load_benchmark("kivi_spikes")
     out = tmp_path / "spikes.json"
     result = module.main(["--dataset", "yacht", "--split", "0", "--every", "2", "--epochs", "1",
                           "--clip-norms", "10", "--out", str(out)])
