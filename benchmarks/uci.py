@@ -163,6 +163,21 @@ METHOD_DEFAULTS = {
 #: what ``--smoke`` changes: a run of seconds that exercises the whole pipeline
 SMOKE = {"epochs": 2, "num_samples": 4}
 
+#: keys a run reads when ``--set`` gives them and otherwise leaves at a built-in value: the
+#: model's and optimiser's (every method), then each method's own. ``--set`` refuses any
+#: other key that is not in the method's configuration, so a misspelt setting cannot run
+#: silently with the default.
+OPTIONAL_SETTINGS = {"noise_std_prior", "noise_scale", "learn_noise", "clip_norm"}
+METHOD_OPTIONAL_SETTINGS = {
+    "kivi": {"precision_q", "init_scale", "num_particles", "regularizer", "clip",
+             "adaptive_contrast"},
+    "fsvgd": {"input_scale", "noise_std_init"},
+    "wsvgd": {"input_scale", "noise_std_init"},
+    # the authors' code reweights entropy and prior (LIVI_ELBO's tempering; 1 = the paper)
+    "livi": {"init_scale", "entropy_weight", "prior_weight"},
+    "livi_svd": {"init_scale", "entropy_weight", "prior_weight"},
+}
+
 
 # ----------------------------------------------------------------------------------------
 # methods
@@ -546,6 +561,8 @@ def fit_livi(split, config, seed, progress):
         init_scale=config.get("init_scale", 0.1),
     )
     elbo = LIVI_ELBO(num_particles=int(config["num_particles"]), bound=config["bound"],
+                     entropy_weight=float(config.get("entropy_weight", 1.0)),
+                     prior_weight=float(config.get("prior_weight", 1.0)),
                      max_plate_nesting=1)
     svi = SVI(model, guide, optimizer(config), elbo)
 
@@ -656,7 +673,8 @@ def build_parser():
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config entry (value parsed as JSON)",
+        help="override a config entry (value parsed as JSON); a key the method does not read "
+        "is refused (OPTIONAL_SETTINGS lists the ones outside the defaults)",
     )
     p.add_argument("--seed", type=int, default=0, help="base seed; split k uses seed + k")
     p.add_argument(
@@ -756,6 +774,25 @@ def markdown_table(results):
     return "\n".join(lines)
 
 
+def _method_defaults(method, name):
+    """What :data:`METHOD_DEFAULTS` changes in :data:`DEFAULTS` for ``method`` on ``name``."""
+    method_defaults = METHOD_DEFAULTS.get(method)
+    return {} if method_defaults is None else method_defaults(name)
+
+
+def _check_settings(method, datasets, settings):
+    """Refuse a ``--set`` key that ``method`` does not read (see :data:`OPTIONAL_SETTINGS`)."""
+    for name in datasets:
+        known = (set(DEFAULTS[name]) | set(_method_defaults(method, name))
+                 | OPTIONAL_SETTINGS | METHOD_OPTIONAL_SETTINGS.get(method, set()))
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise SystemExit(
+                f"--set: method {method!r} has no setting {', '.join(unknown)}; "
+                f"it reads {', '.join(sorted(known))}"
+            )
+
+
 def _git_commit():
     """The checkout's commit (``+`` if it has uncommitted changes), or ``None``."""
     try:
@@ -796,6 +833,7 @@ def main(argv=None):
         out = RESULTS_DIR / f"uci_{args.method}{suffix}.json"
 
     overrides = dict(args.settings)
+    _check_settings(args.method, args.datasets, overrides)
     if args.smoke:
         overrides = {**SMOKE, **overrides}
     if args.epochs is not None:
@@ -836,9 +874,7 @@ def main(argv=None):
     t_start = time.perf_counter() - previous.get("total_seconds", 0.0)
     commit = _git_commit()
     for name in args.datasets:
-        method_defaults = METHOD_DEFAULTS.get(args.method)
-        extra = {} if method_defaults is None else method_defaults(name)
-        config = {**DEFAULTS[name], **extra, **overrides}
+        config = {**DEFAULTS[name], **_method_defaults(args.method, name), **overrides}
         available = num_splits(name)
         if args.splits is None:
             splits = [0] if args.smoke else list(range(available))

@@ -119,6 +119,37 @@ def test_smoke_run_boston_livi(runner, tmp_path, method):
     assert split["num_samples"] == 4
 
 
+def test_set_refuses_a_setting_the_method_does_not_read(runner, tmp_path):
+    argv = ["--datasets", "boston", "--smoke", "--quiet", "--out", str(tmp_path / "x.json")]
+    # a misspelt key would otherwise run with the default
+    with pytest.raises(SystemExit, match="no setting epoch;"):
+        runner.main(argv + ["--method", "livi", "--set", "epoch=10"])
+    # LIVI's tempering weights belong to LIVI only
+    with pytest.raises(SystemExit, match="'kivi' has no setting entropy_weight"):
+        runner.main(argv + ["--method", "kivi", "--set", "entropy_weight=0.5"])
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not data_available(), reason="data folder not available")
+def test_livi_tempering_settings_reach_the_elbo(runner, tmp_path, monkeypatch):
+    from pyro_implicit import LIVI_ELBO
+
+    seen = []
+    init = LIVI_ELBO.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append((self.entropy_weight, self.prior_weight))
+
+    monkeypatch.setattr(LIVI_ELBO, "__init__", spy)
+    argv = ["--datasets", "boston", "--method", "livi", "--smoke", "--quiet"]
+    runner.main(argv + ["--out", str(tmp_path / "a.json")])
+    with pytest.warns(UserWarning, match="not the paper's ELBO"):
+        runner.main(argv + ["--set", "prior_weight=0.1", "--set", "entropy_weight=2",
+                            "--out", str(tmp_path / "b.json")])
+    assert seen == [(1.0, 1.0), (2.0, 0.1)]
+
+
 @pytest.fixture(scope="module")
 def reporter(load_benchmark):
     return load_benchmark("uci_report")
