@@ -114,7 +114,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     split = load_uci(args.dataset, args.split, dtype=getattr(torch, args.dtype))
-    base = {**uci.DEFAULTS[args.dataset], **uci.METHOD_DEFAULTS["kivi"](args.dataset)}
+    base = uci.run_config("kivi", args.dataset)
     if args.epochs is not None:
         base["epochs"] = args.epochs
     runs = {}

@@ -774,17 +774,22 @@ def markdown_table(results):
     return "\n".join(lines)
 
 
-def _method_defaults(method, name):
-    """What :data:`METHOD_DEFAULTS` changes in :data:`DEFAULTS` for ``method`` on ``name``."""
+def run_config(method, name, overrides=None):
+    """The configuration of ``method`` on data set ``name``: :data:`DEFAULTS`, then what
+    :data:`METHOD_DEFAULTS` changes, then ``overrides``.
+
+    :rtype: dict
+    """
     method_defaults = METHOD_DEFAULTS.get(method)
-    return {} if method_defaults is None else method_defaults(name)
+    extra = {} if method_defaults is None else method_defaults(name)
+    return {**DEFAULTS[name], **extra, **(overrides or {})}
 
 
 def _check_settings(method, datasets, settings):
     """Refuse a ``--set`` key that ``method`` does not read (see :data:`OPTIONAL_SETTINGS`)."""
     for name in datasets:
-        known = (set(DEFAULTS[name]) | set(_method_defaults(method, name))
-                 | OPTIONAL_SETTINGS | METHOD_OPTIONAL_SETTINGS.get(method, set()))
+        known = (set(run_config(method, name)) | OPTIONAL_SETTINGS
+                 | METHOD_OPTIONAL_SETTINGS.get(method, set()))
         unknown = sorted(set(settings) - known)
         if unknown:
             raise SystemExit(
@@ -874,7 +879,7 @@ def main(argv=None):
     t_start = time.perf_counter() - previous.get("total_seconds", 0.0)
     commit = _git_commit()
     for name in args.datasets:
-        config = {**DEFAULTS[name], **_method_defaults(args.method, name), **overrides}
+        config = run_config(args.method, name, overrides)
         available = num_splits(name)
         if args.splits is None:
             splits = [0] if args.smoke else list(range(available))

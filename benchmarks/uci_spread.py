@@ -36,8 +36,7 @@ def spread(dataset, split_index, methods, dtype="float32", seed=0, overrides=Non
     split = load_uci(dataset, split_index, dtype=getattr(torch, dtype))
     out = {}
     for method in methods:
-        extra = uci.METHOD_DEFAULTS.get(method)
-        config = {**uci.DEFAULTS[dataset], **(extra(dataset) if extra else {}), **(overrides or {})}
+        config = uci.run_config(method, dataset, overrides)
         pyro.set_rng_seed(seed + split_index)  # the runner's seed for this split
         start = time.perf_counter()
         f, noise = uci.METHODS[method](split, dict(config), seed + split_index, lambda m: None)
