@@ -18,6 +18,7 @@ clip value c. Its gradient flows only through the evaluation points :math:`z_j^q
 (\epsilon_j)`; the fitted function (coefficients, centres, bandwidth) is held fixed (eq. 7).
 """
 
+import math
 import warnings
 
 import pyro
@@ -29,6 +30,7 @@ from pyro.infer.inspect import get_dependencies
 
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, squared_distances
+from ..latent import preconditioner_of
 from .base import (
     ImplicitELBO,
     _StopAfter,
@@ -166,12 +168,19 @@ class KernelRatioELBO(ImplicitELBO):
         the median heuristic, as in the paper).
     :param bool per_group: estimate the KL per group of sites when the guide says it
         factorises (default True); False always estimates one joint KL.
-    :param bool adaptive_contrast: use KIVI's adaptive contrast (App. D): compare q with
-        a diagonal Gaussian r fitted to its samples instead of with the prior, and add
-        :math:`\mathbb E_q[\log p(z) - \log r(z)]` exactly (the model's prior density and
-        the constraint Jacobians). The paper uses it for VAEs; it is far more accurate
-        whenever the posterior is much narrower than the prior, and needs no prior
-        samples. Default False (the paper's BNN estimator).
+    :param adaptive_contrast: the distribution r that q is compared with. ``False``:
+        the prior (the paper's BNN estimator, from prior draws). Otherwise KIVI's
+        adaptive contrast (App. D): the kernel estimates KL(q || r) for a Gaussian r and
+        :math:`\mathbb E_q[\log p(z) - \log r(z)]` is added exactly (the model's prior
+        density and the constraint Jacobians); it is far more accurate whenever the
+        posterior is much narrower than the prior, and needs no prior samples. r is a
+        diagonal (``"diag"`` or ``True``, the paper's) or full-covariance (``"full"``)
+        Gaussian fitted to q's samples each step, or ``"preconditioner"``: the fixed
+        Gaussian :math:`N(m, LL^\top)` of the guide's preconditioner
+        (:mod:`pyro_implicit.latent`), so the kernel acts on the whitened draws, where q
+        starts exactly at r (a ratio of 1 is where kernel ratio fits are most accurate).
+        Default ``"auto"``: ``"preconditioner"`` when every kernel-estimated site is drawn
+        by a preconditioned guide, else ``False`` (the paper's).
     :param exact_sites: names of latent sites whose guide has a density, such as the
         explicit Gamma q of a noise precision in KIVI's UCI models (App. E), composed with
         an implicit guide through Pyro's ``AutoGuideList`` (a hand-written guide or any of
@@ -214,7 +223,7 @@ class KernelRatioELBO(ImplicitELBO):
         clip=1e-8,
         kernel=None,
         per_group=True,
-        adaptive_contrast=False,
+        adaptive_contrast="auto",
         exact_sites=(),
         max_plate_nesting=float("inf"),
         check_vectorization=True,
@@ -235,10 +244,10 @@ class KernelRatioELBO(ImplicitELBO):
         self.clip = float(clip)
         self.kernel = RBFKernel() if kernel is None else kernel
         self.per_group = per_group
-        if adaptive_contrast not in (False, True, "diag", "full"):
+        if adaptive_contrast not in (False, True, "auto", "diag", "full", "preconditioner"):
             raise ValueError(
-                "adaptive_contrast must be False, 'diag' (True) or 'full', "
-                f"got {adaptive_contrast!r}"
+                "adaptive_contrast must be 'auto', False, 'diag' (True), 'full' or "
+                f"'preconditioner', got {adaptive_contrast!r}"
             )
         self.adaptive_contrast = "diag" if adaptive_contrast is True else adaptive_contrast
         self._links = {}  # id(model) -> prior links between latent sites (None: unknown)
@@ -300,6 +309,33 @@ class KernelRatioELBO(ImplicitELBO):
             )
         return self._links[key]
 
+    def _contrast_kind(self, guide_trace, names):
+        """The contrast of this step (``False``: the prior) and, for
+        ``"preconditioner"``, ``{site: (preconditioner, slice of its packed vector)}``."""
+        kind = self.adaptive_contrast
+        if kind not in ("auto", "preconditioner"):
+            return kind, None
+        found = {}
+        for site in implicit_guide_sites(guide_trace):
+            guide = implicit_site_info(site)["guide"]
+            pre = preconditioner_of(guide)
+            start = 0
+            for name, shape in guide._unconstrained_shapes.items():
+                size = math.prod(shape)
+                if not pre.is_identity:
+                    found[name] = (pre, slice(start, start + size))
+                start += size
+        if all(name in found for name in names):
+            return "preconditioner", found
+        if kind == "preconditioner":
+            missing = sorted(set(names) - set(found))
+            raise ValueError(
+                f"adaptive_contrast='preconditioner' needs every kernel-estimated site drawn "
+                f"by a preconditioned guide of this library; {missing} are not (build the "
+                "guide with precondition=True, or choose another contrast)"
+            )
+        return False, None  # "auto" without a preconditioner: the paper's prior contrast
+
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
         n, mpn = self.num_particles, self.max_plate_nesting
@@ -311,7 +347,7 @@ class KernelRatioELBO(ImplicitELBO):
         latent_term = self._exact_term(latents, guide_trace, links)
         names = [name for name in latents if name not in self.exact_sites]
         _refuse_subsampled_latents([latents[name] for name in names])
-        ac = self.adaptive_contrast
+        ac, preconditioners = self._contrast_kind(guide_trace, names)
         if names and not ac:  # adaptive contrast differentiates log p(z) itself
             latent_term = latent_term + self._prior_parameter_term(
                 model, args, kwargs, model_trace, names
@@ -338,7 +374,10 @@ class KernelRatioELBO(ImplicitELBO):
                 # with r a diagonal Gaussian matched to q (moments detached); KL(q||r)
                 # equals the KL of the standardised q to N(0, I), which the kernel
                 # estimator handles far better than a comparison with a distant prior.
-                contrast = _fit_contrast(q.detach(), ac)
+                if ac == "preconditioner":
+                    contrast = _preconditioner_contrast(preconditioners, group)
+                else:
+                    contrast = _fit_contrast(q.detach(), ac)
                 log_r = contrast.log_prob(q)
                 # unscaled: the group's scale multiplies the whole term once, below
                 log_p = sum(
@@ -466,6 +505,20 @@ def _latent_groups(guide):
     if isinstance(guide, AutoGuideList):
         return [group for part in guide for group in _latent_groups(part)]
     return []
+
+
+def _preconditioner_contrast(preconditioners, group):
+    """The preconditioner's Gaussian, marginal to the group's sites (in group order)."""
+    pre = preconditioners[group[0]][0]
+    if any(preconditioners[name][0] is not pre for name in group):
+        raise ValueError(
+            f"sites {group} share one KL estimate but are drawn by different preconditioned "
+            "guides; give them one guide"
+        )
+    index = torch.cat(
+        [torch.arange(sl.start, sl.stop) for sl in (preconditioners[n][1] for n in group)]
+    ).to(pre.loc.device)
+    return pre.marginal(index).distribution()
 
 
 def _fit_contrast(q, kind):

@@ -43,6 +43,7 @@ from pyro.distributions.util import scale_and_mask
 from torch.func import jvp, vjp
 
 from ..guides.base import implicit_site_info
+from ..latent import preconditioner_of
 from .base import (
     ImplicitELBO,
     auxiliary_site_value,
@@ -404,7 +405,8 @@ class LIVI_ELBO(ImplicitELBO):
         entropy, details = linearized_entropy(
             guide.generator, z, guide.sigma, self.bound, self.num_iterations, return_info=True
         )
-        return entropy, details
+        # the generator draws whitened z; u = m + L z adds log |det L| to the entropy
+        return entropy + preconditioner_of(guide).log_abs_det(), details
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)

@@ -23,9 +23,12 @@ import math
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median
 from torch.distributions import biject_to
+
+from ..latent import LatentSpace, Preconditioner, resolve_precondition
 
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
 
@@ -72,7 +75,7 @@ def implicit_site_info(site):
 
 
 class ImplicitAutoGuide(AutoContinuous):
-    """Base class for guides whose packed unconstrained latent ``u`` is drawn by a sampler.
+    r"""Base class for guides whose packed unconstrained latent ``u`` is drawn by a sampler.
 
     Subclasses implement :meth:`_build_sampler` (called once the latent size D is known)
     and :meth:`_latent_from_noise`, and set :attr:`noise_dim`. The base class provides:
@@ -82,14 +85,28 @@ class ImplicitAutoGuide(AutoContinuous):
     * vectorised sampling (:meth:`sample_unconstrained`, :meth:`sample_posterior`): S draws
       are one call of the sampler;
     * sample-based :meth:`median` and :meth:`quantiles`;
+    * an affine preconditioner :math:`u = m + L z` (:mod:`pyro_implicit.latent`), found
+      automatically before training (MAP by L-BFGS, then the Laplace approximation, or a
+      short Gaussian variational fit where the posterior is not Gaussian at its mode):
+      the sampler draws the whitened :math:`z`, starts at the Gaussian fit (:math:`z \sim
+      N(0, I)`) and learns only what a Gaussian cannot express. Kernel bandwidths, the
+      initial spread and the learning rate then act where the posterior has unit scale
+      in every direction, so raw-unit covariates and strong correlations cost nothing;
     * the refusal of models it cannot handle: discrete latents (via Pyro's helpful support
       errors) and local latent sites inside a subsampled plate, which a packed guide cannot
       size (it would silently reuse ``subsample_size`` slots for different data points).
 
     :param callable model: a Pyro model.
-    :param callable init_loc_fn: per-site initialisation (Pyro's ``init_to_*``); the
-        sampler's output is centred there at the start of training.
-    :param float init_scale: initial spread of ``u`` around ``init_loc`` (per coordinate).
+    :param callable init_loc_fn: per-site initialisation (Pyro's ``init_to_*``): the
+        start of the preconditioner's MAP search, or, without preconditioner, the centre
+        of the sampler's output at the start of training.
+    :param float init_scale: initial spread of the sampler's output per coordinate: in
+        units of the preconditioner's scale (default 1: start at its Gaussian), or in raw
+        unconstrained units without one (default 0.1, the papers' choice).
+    :param precondition: ``True`` (default): find the preconditioner automatically
+        (:func:`~pyro_implicit.latent.find_preconditioner`; dense up to 2000 latent
+        coordinates, diagonal beyond); ``False``: none, the papers' raw unconstrained
+        coordinates; or a :class:`~pyro_implicit.latent.Preconditioner` of one's own.
     :param int num_quantile_samples: number of draws behind :meth:`median` and
         :meth:`quantiles`.
     """
@@ -102,12 +119,19 @@ class ImplicitAutoGuide(AutoContinuous):
         model,
         *,
         init_loc_fn=init_to_median,
-        init_scale=0.1,
+        init_scale=None,
         num_quantile_samples=1000,
+        precondition=True,
     ):
-        if not init_scale > 0:
+        if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
-        self._init_scale = float(init_scale)
+        if not (isinstance(precondition, (bool, Preconditioner)) or precondition is None):
+            raise TypeError(
+                "precondition must be True (automatic), False (none) or a "
+                f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
+            )
+        self._init_scale_arg = init_scale
+        self._precondition_arg = precondition
         self.num_quantile_samples = int(num_quantile_samples)
         super().__init__(model, init_loc_fn=init_loc_fn)
 
@@ -147,7 +171,39 @@ class ImplicitAutoGuide(AutoContinuous):
         init_loc = self._init_loc()
         # dtype and device of the sampler's noise; a buffer follows .to() and .cuda()
         self.register_buffer("_noise_reference", init_loc.new_zeros(()), persistent=False)
-        self._build_sampler(init_loc)
+        self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
+        if self.preconditioner.is_identity:
+            self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
+            self._build_sampler(init_loc)
+        else:
+            # the sampler draws whitened z: it starts at the preconditioner's Gaussian
+            self._init_scale = 1.0 if self._init_scale_arg is None else self._init_scale_arg
+            self._build_sampler(torch.zeros_like(init_loc))
+
+    @property
+    def whitened(self):
+        """Whether the sampler draws whitened coordinates ``z`` (``u = m + L z``)."""
+        return not self.preconditioner.is_identity
+
+    def latent_space(self, *args, **kwargs):
+        """The model's packed latent space (:class:`~pyro_implicit.latent.LatentSpace`),
+        built from this guide's prototype trace and the model's arguments."""
+        self._check_ready()
+        return LatentSpace.from_guide(self, args, kwargs)
+
+    def _dense_preconditioner(self):
+        """Whether the automatic preconditioner may be dense (``None``: decide by size)."""
+        return None
+
+    def _find_preconditioner(self, init_loc, args, kwargs):
+        # the search runs the model: keep it off the caller's trace and param store
+        space = LatentSpace.from_guide(self, args, kwargs)
+        dense = self._dense_preconditioner()
+        with poutine.block():
+            found = resolve_precondition(
+                self._precondition_arg, space, init_loc.detach(), args, kwargs, dense=dense
+            )
+        return found.diagonal() if dense is False else found
 
     def _build_sampler(self, init_loc):
         """Create the sampler's parameters. ``init_loc`` is the packed ``(D,)`` initial
@@ -160,7 +216,8 @@ class ImplicitAutoGuide(AutoContinuous):
         raise NotImplementedError
 
     def _latent_from_noise(self, noise):
-        """Map noise ``(..., noise_dim)`` to packed unconstrained latents ``(..., D)``."""
+        """Map noise ``(..., noise_dim)`` to the sampler's output ``(..., D)``: the whitened
+        ``z`` (``u = m + L z``) when :attr:`whitened`, else ``u`` itself."""
         raise NotImplementedError
 
     def _implicit_info(self):
@@ -188,7 +245,7 @@ class ImplicitAutoGuide(AutoContinuous):
             dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
             infer={"is_auxiliary": True},
         )
-        latent = self._latent_from_noise(noise)
+        latent = self.preconditioner.unwhiten(self._latent_from_noise(noise))
         return pyro.sample(
             f"_{self._pyro_name}_latent",
             ImplicitDelta(latent, event_dim=1),
@@ -211,7 +268,7 @@ class ImplicitAutoGuide(AutoContinuous):
         self._check_ready()
         ref = self._noise_reference
         noise = torch.randn(num_samples, self.noise_dim, dtype=ref.dtype, device=ref.device)
-        return self._latent_from_noise(noise)
+        return self.preconditioner.unwhiten(self._latent_from_noise(noise))
 
     def unpack(self, latent):
         """Split packed latents ``(S, D)`` into constrained site values.

@@ -52,7 +52,13 @@ class ImplicitGuide(ImplicitAutoGuide):
     :param dict site_options: per-site overrides with ``per_site=True``, e.g.
         ``{"layer0": {"noise_dim": 20, "hidden_dims": (30,)}}`` (KIVI's Table 3 sizes).
     :param callable init_loc_fn: per-site initial location (default ``init_to_median``).
-    :param float init_scale: initial spread of ``u`` around it.
+    :param float init_scale: initial spread of the generator's output (default: the
+        preconditioner's Gaussian; 0.1 in raw units without one).
+    :param precondition: ``True`` (default), ``False`` or a
+        :class:`~pyro_implicit.latent.Preconditioner`: the generator draws whitened
+        :math:`z` and :math:`u = m + Lz` (see :class:`~pyro_implicit.guides.base.
+        ImplicitAutoGuide`); the default MLP then has an identity skip, so q starts at the
+        preconditioner's Gaussian. ``per_site=True`` gets a diagonal :math:`L`.
 
     References
 
@@ -73,8 +79,9 @@ class ImplicitGuide(ImplicitAutoGuide):
         mmnn_hidden_shapes=None,
         site_options=None,
         init_loc_fn=init_to_median,
-        init_scale=0.1,
+        init_scale=None,
         num_quantile_samples=1000,
+        precondition=True,
     ):
         if isinstance(generator, str) and generator not in ("mlp", "mmnn"):
             raise ValueError(f"generator must be 'mlp', 'mmnn' or a callable, got {generator!r}")
@@ -100,6 +107,7 @@ class ImplicitGuide(ImplicitAutoGuide):
             init_loc_fn=init_loc_fn,
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
+            precondition=precondition,
         )
 
     # ------------------------------------------------------------------ building
@@ -108,7 +116,8 @@ class ImplicitGuide(ImplicitAutoGuide):
         hidden = hidden_dims if hidden_dims is not None else self._hidden_dims
         if hidden is None:
             hidden = _default_hidden(d, out_dim)
-        return MLPGenerator(d, out_dim, hidden, self._activation)
+        # whitened: a residual on the identity, so q starts at the preconditioner's Gaussian
+        return MLPGenerator(d, out_dim, hidden, self._activation, skip=self.whitened)
 
     def _mmnn(self, shape):
         m, n = shape
@@ -134,6 +143,10 @@ class ImplicitGuide(ImplicitAutoGuide):
                 )
             return self._mmnn(shape)
         return self._mlp(numel, options.get("noise_dim"), options.get("hidden_dims"))
+
+    def _dense_preconditioner(self):
+        # per-site generators factorise q across sites: a dense L would couple them
+        return False if self.per_site else None
 
     def _build_sampler(self, init_loc):
         spec = self._generator_spec
@@ -161,7 +174,11 @@ class ImplicitGuide(ImplicitAutoGuide):
             gen = self._mlp(self.latent_dim)
         gen = gen.to(dtype=init_loc.dtype, device=init_loc.device)
         if hasattr(gen, "init_output"):
-            gen.init_output(init_loc, self._init_scale)
+            scale = self._init_scale
+            if self.whitened and getattr(gen, "skip_carries_spread", False):
+                # GPVI's f(z) = g(z) + lambda z: the skip already has unit spread
+                scale = 0.1 * scale
+            gen.init_output(init_loc, scale)
         self.generator = gen
         self._noise_size = int(gen.noise_dim)
 

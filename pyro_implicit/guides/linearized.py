@@ -100,8 +100,14 @@ class LinearizedGuide(ImplicitAutoGuide):
     :param str activation: MLP activation; ``"elu"`` as in the paper (App. E): the loss
         differentiates the Jacobian, so a smooth activation is preferable.
     :param callable init_loc_fn: per-site initial location (default ``init_to_median``):
-        the generator's output is centred there.
-    :param float init_scale: initial spread of :math:`g_\gamma(z)` per coordinate.
+        the generator's output is centred there (without preconditioner).
+    :param float init_scale: initial spread of :math:`g_\gamma(z)` per coordinate
+        (default: the preconditioner's Gaussian; 0.1 in raw units without one).
+    :param precondition: ``True`` (default), ``False`` or a
+        :class:`~pyro_implicit.latent.Preconditioner`: :math:`u = m + L(g_\gamma(z) +
+        \sigma\xi)` (see :class:`~pyro_implicit.guides.base.ImplicitAutoGuide`), with
+        :math:`\sigma` in whitened units; the default MLP then has an identity skip, so q
+        starts at the preconditioner's Gaussian.
     :param int num_quantile_samples: draws behind :meth:`median` and :meth:`quantiles`.
 
     References
@@ -123,8 +129,9 @@ class LinearizedGuide(ImplicitAutoGuide):
         generator="mlp",
         activation="elu",
         init_loc_fn=init_to_median,
-        init_scale=0.1,
+        init_scale=None,
         num_quantile_samples=1000,
+        precondition=True,
     ):
         if isinstance(generator, str) and generator not in ("mlp", "scalable"):
             raise ValueError(
@@ -144,6 +151,7 @@ class LinearizedGuide(ImplicitAutoGuide):
             init_loc_fn=init_loc_fn,
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
+            precondition=precondition,
         )
 
     # ------------------------------------------------------------------ building
@@ -162,7 +170,8 @@ class LinearizedGuide(ImplicitAutoGuide):
             hidden = self._hidden_dims
             if hidden is None:
                 hidden = _default_hidden(d, dim)
-            gen = MLPGenerator(d, dim, hidden, self._activation)
+            # whitened: a residual on the identity, so q starts at the Gaussian fit
+            gen = MLPGenerator(d, dim, hidden, self._activation, skip=self.whitened)
         if gen.out_dim != dim:
             raise ValueError(
                 f"the generator outputs {gen.out_dim} values but the model's packed latent "
@@ -189,7 +198,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         :param torch.Tensor z: ``(..., d)`` base noise.
         :return: tensor of the broadcast leading shape.
         """
-        white = (u - self.generator(z)) / self.sigma
+        white = (self.preconditioner.whiten(u) - self.generator(z)) / self.sigma
         return -0.5 * white.pow(2).sum(-1) - self._log_normaliser()
 
     def pairwise_conditional_log_prob(self, u, z):
@@ -199,11 +208,15 @@ class LinearizedGuide(ImplicitAutoGuide):
         :param torch.Tensor u: ``(N, D)``.
         :param torch.Tensor z: ``(M, d)``.
         """
-        d2 = squared_distances(u / self.sigma, self.generator(z) / self.sigma)
+        white = self.preconditioner.whiten(u)
+        d2 = squared_distances(white / self.sigma, self.generator(z) / self.sigma)
         return -0.5 * d2 - self._log_normaliser()
 
     def _log_normaliser(self):
-        return self.latent_dim * (math.log(self.sigma) + 0.5 * math.log(2 * math.pi))
+        # the density is of u = m + L_pre (g(z) + sigma xi): log |det L_pre| joins
+        return self.latent_dim * (
+            math.log(self.sigma) + 0.5 * math.log(2 * math.pi)
+        ) + self.preconditioner.log_abs_det()
 
     def sample_mixing(self, num_samples):
         """Draw ``(num_samples, d)`` base noise values z: the mixing variable of this
@@ -226,7 +239,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         noise = torch.randn(
             num_samples, self.noise_dim + self.latent_dim, dtype=ref.dtype, device=ref.device
         )
-        return self._latent_from_noise(noise)
+        return self.preconditioner.unwhiten(self._latent_from_noise(noise))
 
     # ------------------------------------------------------------------ pyro guide
     def _base_site_name(self):
@@ -255,7 +268,7 @@ class LinearizedGuide(ImplicitAutoGuide):
             z = pyro.sample(
                 self._base_site_name(), dist.Delta(z, event_dim=1), infer={"is_auxiliary": True}
             )
-        latent = self.generator(z) + self.sigma * xi
+        latent = self.preconditioner.unwhiten(self.generator(z) + self.sigma * xi)
         return pyro.sample(
             f"_{self._pyro_name}_latent",
             ImplicitDelta(latent, event_dim=1, hint=_PAIRING_HINT),

@@ -67,13 +67,22 @@ class MLPGenerator(nn.Module):
     :param tuple hidden_dims: hidden layer widths (may be empty: an affine map, whose
         pushforward of N(0, I) is the Gaussian N(b, W W^T)).
     :param str activation: ``"relu"`` (KIVI), ``"tanh"``, ``"elu"`` or ``"softplus"``.
+    :param bool skip: add the identity skip ``s * eps[:k]`` (zero-padded,
+        ``k = min(noise_dim, out_dim)``) to the output, so the network learns a residual
+        on top of a Gaussian; :meth:`init_output` then starts the residual near zero on
+        those k coordinates, so the pushforward starts at :math:`N(loc, scale^2 I)`
+        (the preconditioned guides' start at their Gaussian fit).
     """
 
-    def __init__(self, noise_dim, out_dim, hidden_dims=(), activation="relu"):
+    def __init__(self, noise_dim, out_dim, hidden_dims=(), activation="relu", skip=False):
         super().__init__()
         self.noise_dim = int(noise_dim)
         self.out_dim = int(out_dim)
         self.activation = activation
+        self.skip = bool(skip)
+        self.skip_dim = min(self.noise_dim, self.out_dim) if self.skip else 0
+        # the skip's scale s (set by init_output); a buffer: it is not learned
+        self.register_buffer("skip_scale", torch.ones(()), persistent=self.skip)
         layers = []
         width = self.noise_dim
         for h in hidden_dims:
@@ -83,7 +92,12 @@ class MLPGenerator(nn.Module):
         self.output = nn.Linear(width, self.out_dim)
 
     def forward(self, noise):
-        return self.output(self.hidden(noise))
+        out = self.output(self.hidden(noise))
+        if not self.skip:
+            return out
+        k = self.skip_dim
+        head = out[..., :k] + self.skip_scale * noise[..., :k]
+        return torch.cat([head, out[..., k:]], dim=-1)
 
     def jacobian(self, noise):
         r"""The Jacobian :math:`\partial u / \partial \epsilon` at every row of ``noise``,
@@ -105,12 +119,33 @@ class MLPGenerator(nn.Module):
             jac = derivative(pre, h).unsqueeze(-1) * jac
         weight = self.output.weight
         if jac is None:  # an affine generator: the same J for every row
-            return weight.expand(noise.shape[:-1] + weight.shape)
-        return weight @ jac
+            jac = weight.expand(noise.shape[:-1] + weight.shape)
+        else:
+            jac = weight @ jac
+        if self.skip:
+            k = self.skip_dim
+            eye = torch.zeros(self.out_dim, self.noise_dim, dtype=jac.dtype, device=jac.device)
+            eye[:k, :k] = torch.eye(k, dtype=jac.dtype, device=jac.device)
+            jac = jac + self.skip_scale * eye
+        return jac
 
     def init_output(self, loc, scale):
-        """Centre the output at ``loc`` with per-coordinate spread ``scale``."""
-        _rescale_to_spread(self, self.output.weight, self.output.bias, loc, scale)
+        """Centre the output at ``loc`` with per-coordinate spread ``scale`` (with
+        ``skip``: the skip carries that spread on its k coordinates and the residual
+        starts at a hundredth of it there)."""
+        if not self.skip:
+            _rescale_to_spread(self, self.output.weight, self.output.bias, loc, scale)
+            return
+        with torch.no_grad():
+            self.skip_scale.fill_(float(scale))
+            weight, bias = self.output.weight, self.output.bias
+            noise = torch.randn(512, self.noise_dim, dtype=weight.dtype, device=weight.device)
+            hidden = self.hidden(noise)
+            spread = (hidden @ weight.T).std(0).clamp(min=1e-12)
+            target = torch.full_like(spread, float(scale))
+            target[: self.skip_dim] *= 0.01
+            weight.mul_((target / spread)[:, None])
+            bias.copy_(loc.reshape(bias.shape) - (hidden @ weight.T).mean(0))
 
 
 class MatrixMultiplication(nn.Module):

@@ -119,8 +119,9 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         conditional="diagonal",
         conditional_scale=None,
         init_loc_fn=init_to_median,
-        init_scale=0.1,
+        init_scale=None,
         num_quantile_samples=1000,
+        precondition=True,
     ):
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
@@ -138,6 +139,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
             init_loc_fn=init_loc_fn,
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
+            precondition=precondition,
         )
 
     # ------------------------------------------------------------------ building
@@ -150,13 +152,20 @@ class SemiImplicitGuide(ImplicitAutoGuide):
             hidden = _SMALL_HIDDEN if small else _LARGE_HIDDEN
         net = MLPGenerator(g, dim, hidden, self._activation)
         net = net.to(dtype=init_loc.dtype, device=init_loc.device)
-        net.init_output(init_loc, self._init_scale / math.sqrt(2))
+        if self.whitened:
+            # start at the preconditioner's Gaussian: the conditional carries the spread,
+            # the mixing layer a tenth of it (q(z) = N(0, 1.01 init_scale^2 I) at the start)
+            mixing_scale = 0.1 * self._init_scale
+            sigma = self._conditional_scale_arg or self._init_scale
+        else:
+            mixing_scale = self._init_scale / math.sqrt(2)
+            sigma = self._conditional_scale_arg or self._init_scale / math.sqrt(2)
+        net.init_output(init_loc, mixing_scale)
         self.mixing_net = net
         # plain ints: read on every call, kept off PyroModule's attribute machinery
         self.mixing_noise_dim = int(g)
         self._total_noise_dim = int(g + dim)
 
-        sigma = self._conditional_scale_arg or self._init_scale / math.sqrt(2)
         log_scale = torch.full(
             (dim,), math.log(sigma), dtype=init_loc.dtype, device=init_loc.device
         )
@@ -209,9 +218,14 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         return white.T.reshape(x.shape)
 
     def _log_normaliser(self):
-        # log det L + (D/2) log 2 pi: must be included, since xi is learned (pitfall 3)
+        # log det L + (D/2) log 2 pi: must be included, since xi is learned (pitfall 3);
+        # plus log |det| of the preconditioner: the density is of u = m + L_pre z
         dim = self.conditional_log_scale.shape[-1]
-        return self.conditional_log_scale.sum() + 0.5 * dim * math.log(2 * math.pi)
+        return (
+            self.conditional_log_scale.sum()
+            + 0.5 * dim * math.log(2 * math.pi)
+            + self.preconditioner.log_abs_det()
+        )
 
     def conditional_log_prob(self, u, psi):
         r""":math:`\log q_\xi(u \mid \psi) = \log \mathcal N(u;\ \psi,\ \Sigma_\xi)`, summed
@@ -221,7 +235,8 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         :param torch.Tensor psi: ``(..., D)`` mixing draws.
         :return: tensor of the broadcast leading shape.
         """
-        white = self._whiten(u - psi)
+        z = self.preconditioner.whiten(u)
+        white = self._whiten(z - psi)
         return -0.5 * white.pow(2).sum(-1) - self._log_normaliser()
 
     def pairwise_conditional_log_prob(self, u, psi):
@@ -232,7 +247,8 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         :param torch.Tensor u: ``(N, D)``.
         :param torch.Tensor psi: ``(M, D)``.
         """
-        d2 = squared_distances(self._whiten(u), self._whiten(psi))
+        z = self.preconditioner.whiten(u)
+        d2 = squared_distances(self._whiten(z), self._whiten(psi))
         return -0.5 * d2 - self._log_normaliser()
 
     def _conditional_sample(self, psi, eta):
@@ -275,7 +291,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
                 dist.Delta(psi, event_dim=1),
                 infer={"is_auxiliary": True},
             )
-        latent = self._conditional_sample(psi, eta)
+        latent = self.preconditioner.unwhiten(self._conditional_sample(psi, eta))
         return pyro.sample(
             f"_{self._pyro_name}_latent",
             ImplicitDelta(latent, event_dim=1, hint=_PAIRING_HINT),
