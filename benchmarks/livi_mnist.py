@@ -11,7 +11,8 @@ N(0, 1/(n_in + 1)) per layer (a fan-in scaled prior; the paper's N(0, 1) on 784 
 gives logits of size ~30 a priori), minibatches of 256 with the data plate's N/B scaling.
 
 LIVI: :class:`~pyro_implicit.guides.LinearizedGuide` with the correlated matrix-multiplication
-generator (``generator="scalable"``, App. D), sigma = 1e-3, and
+generator (``generator="scalable"``, App. D; the paper's raw-space settings pinned:
+``precondition=False``), sigma = 1e-3, and
 :class:`~pyro_implicit.elbo.LIVI_ELBO` ``(bound="svd", num_particles=2)`` (the paper's 1-2
 draws per minibatch, 5 LOBPCG iterations). Mean field: ``AutoNormal`` with
 ``Trace_ELBO(num_particles=2, vectorize_particles=True)``. Both: Adam, the same learning
@@ -62,7 +63,8 @@ def make_model(hidden):
 def make_method(name, model, args):
     if name == "livi":
         guide = LinearizedGuide(model, generator="scalable", sigma=1e-3,
-                                init_loc_fn=init_to_sample, init_scale=args.init_scale)
+                                init_loc_fn=init_to_sample, init_scale=args.init_scale,
+                                precondition=False)  # the paper's raw weight space
         return guide, LIVI_ELBO(num_particles=2, bound="svd", max_plate_nesting=1,
                                 entropy_weight=getattr(args, "entropy_weight", 1.0),
                                 prior_weight=getattr(args, "prior_weight", 1.0))

@@ -7,7 +7,8 @@ D = 11 H + (H + 1) H + (H + 1) + 1 (the last coordinate is the noise precision);
 chosen for D close to 1e3, 1e4 and 1e5. Methods, all with N particles and Adam(lr 1e-3):
 
 * ``pyro``: ``pyro.infer.SVGD(model, RBFSteinKernel(), optim, N, 1, mode="multivariate")``;
-* ``weight``: :class:`pyro_implicit.particles.WeightSpaceSVGD` (isotropic RBF, median rule);
+* ``weight``: :class:`pyro_implicit.particles.WeightSpaceSVGD` (isotropic RBF, median rule;
+  the papers' raw-space settings pinned: ``precondition=False``);
 * ``function``: :class:`pyro_implicit.particles.FunctionSpaceSVGD` with the paper's defaults
   (100 extra KDE points, Gaussian prior score from 40 prior networks at 4 points).
 
@@ -56,7 +57,7 @@ def _worker(method, width, particles, steps, warmup, seed):
         if method == "pyro":
             return SVGD(model, RBFSteinKernel(), optim, num_particles, 1, mode="multivariate")
         if method == "weight":
-            return WeightSpaceSVGD(model, optim, num_particles, 1)
+            return WeightSpaceSVGD(model, optim, num_particles, 1, precondition=False)
         return FunctionSpaceSVGD(model, optim, num_particles, 1)
 
     pyro.set_rng_seed(seed)

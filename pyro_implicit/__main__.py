@@ -145,6 +145,10 @@ def build_parser():
                    help="posterior draws per guide, at least 2 (default %(default)s)")
     p.add_argument("--lr", type=_positive_float, default=None,
                    help="initial learning rate of every method (default: per method)")
+    p.add_argument("--no-precondition", dest="precondition", action="store_false",
+                   help="fit the library's methods in the raw unconstrained space (the "
+                   "papers' setting) instead of their automatic preconditioner's "
+                   "whitened coordinates")
     p.add_argument("--nuts-samples", type=_int_at_least(4), default=DEFAULTS["nuts_samples"],
                    help="NUTS draws per chain, at least 4 (default %(default)s)")
     p.add_argument("--nuts-warmup", type=_int_at_least(0), default=DEFAULTS["nuts_warmup"],
@@ -451,6 +455,7 @@ def main(argv=None):
             max_plate_nesting=mpn,
             progress=not args.quiet,
             lr=args.lr,
+            precondition=args.precondition,
             **spec.kwargs,
         )
         total = time.perf_counter() - start

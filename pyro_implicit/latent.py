@@ -78,6 +78,39 @@ trace; ``vec_shape`` its unconstrained shape under a particle plate (with a ``-1
 particle count), aligned to the model's plates."""
 
 
+def _is_subsampled(trace):
+    return any(
+        frame.full_size is not None and frame.size != frame.full_size
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        for frame in site["cond_indep_stack"]
+    )
+
+
+def _subsample_plates(trace):
+    return {
+        name: (int(site["fn"].size), int(site["fn"].subsample_size))
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and site_is_subsample(site)
+        and site["fn"].subsample_size is not None
+        and site["fn"].subsample_size < site["fn"].size
+    }
+
+
+def _covering_minibatches(plates, device):
+    """``[{plate: indices}]``: consecutive minibatches of each subsampled plate that
+    together hold every index (the last wraps around to the first indices)."""
+    count = max(math.ceil(size / batch) for size, batch in plates.values())
+    return [
+        {
+            name: torch.arange(k * batch, (k + 1) * batch, device=device) % size
+            for name, (size, batch) in plates.items()
+        }
+        for k in range(count)
+    ]
+
+
 def _is_deterministic(site):
     return bool((site.get("infer") or {}).get("_deterministic", False))
 
@@ -110,10 +143,12 @@ class LatentSpace:
         ]
         self.max_plate_nesting = max([int(max_plate_nesting)] + dims)
         sites, pos = [], 0
-        self.subsampled = any(
-            site_is_subsample(site) for site in prototype_trace.nodes.values()
-            if site["type"] == "sample"
-        )
+        #: whether the model subsamples a plate (its log-density is then a minibatch
+        #: estimate, a random function of the particles)
+        self.subsampled = _is_subsampled(prototype_trace)
+        #: ``{plate: (size, subsample_size)}`` of the subsampled plates (read from a full
+        #: model run; see :meth:`from_guide`)
+        self.subsample_plates = _subsample_plates(prototype_trace)
         for name, site in prototype_trace.iter_stochastic_nodes():
             fn, value = site["fn"], site["value"]
             try:
@@ -164,12 +199,15 @@ class LatentSpace:
             for frame in site["cond_indep_stack"]
             if frame.vectorized and frame.dim is not None
         ]
-        return cls(
+        space = cls(
             guide.model,
             guide.prototype_trace,
             max([guide._max_plate_nesting] + dims),
             guide._unconstrained_shapes,
         )
+        space.subsample_plates = _subsample_plates(full)
+        space.subsampled = space.subsampled or bool(space.subsample_plates)
+        return space
 
     # ------------------------------------------------------------------ packing
     def pack(self, values):
@@ -252,7 +290,27 @@ class LatentSpace:
         """The unconstrained log-density :math:`\\log p(x, T(u)) + \\log|\\det
         \\partial T/\\partial u|` of every row of ``u`` ``(N, D)``, one model run: ``(N,)``.
         Every sample site counts (latent and observed, with plate and ``subsample_size``
-        scaling); ``pyro.deterministic`` sites do not."""
+        scaling); ``pyro.deterministic`` sites do not.
+
+        A model that subsamples a plate is evaluated on the full data: the mean of its
+        minibatch estimates over minibatches that cover every index of each subsampled
+        plate (exact when ``subsample_size`` divides the plate's size; otherwise the
+        last minibatch wraps around and a few points count twice), so the result is a
+        deterministic function of ``u``, as a MAP search and a Hessian need."""
+        if not self.subsample_plates:
+            return self._log_density(u, args, kwargs)
+        batches = _covering_minibatches(self.subsample_plates, u.device)
+        total = 0.0
+        for indices in batches:
+            model = self.model
+            try:
+                self.model = poutine.condition(model, data=indices)
+                total = total + self._log_density(u, args, kwargs)
+            finally:
+                self.model = model
+        return total / len(batches)
+
+    def _log_density(self, u, args, kwargs):
         num = u.shape[0]
         dim = self.particle_dim()
         extra = -dim - 1 - self.max_plate_nesting
@@ -493,8 +551,15 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter):
 
 
 def _laplace(space, u_map, args, kwargs, dense):
-    """Mean and scale of the Laplace approximation at ``u_map``; raises ``ValueError``
-    where the precision is not positive definite."""
+    """The Laplace approximation at ``u_map`` (a :class:`Preconditioner` with
+    ``clamped``, the number of curvatures raised to the floor); raises ``ValueError``
+    where the Hessian is not finite or has no negative curvature at all.
+
+    Dense: Newton steps first polish the L-BFGS mode (on a stiff posterior L-BFGS stops
+    short along the flat directions; for a Gaussian one step is exact). Where the
+    Hessian is not negative definite (a saddle, the flat directions of a network's
+    weight symmetries) its eigenvalues are raised to the smallest positive curvature,
+    a saddle-free Newton's metric (Dauphin et al. 2014), instead of failing."""
     if dense:
         for _ in range(_NEWTON_STEPS + 1):
             precision = -space.hessian(u_map, args, kwargs).to(torch.float64)
@@ -502,9 +567,7 @@ def _laplace(space, u_map, args, kwargs, dense):
                 raise ValueError("the Hessian at the MAP is not finite")
             chol, info = torch.linalg.cholesky_ex(precision)
             if info.item() != 0:
-                raise ValueError("the Hessian at the MAP is not negative definite")
-            # Newton steps polish the L-BFGS mode: on a stiff posterior L-BFGS stops
-            # short along the flat directions, and a Gaussian is then exact in one step
+                break
             lp, grad = space.score(u_map[None], args, kwargs)
             step = torch.cholesky_solve(grad[0].to(torch.float64)[:, None], chol)[:, 0]
             if (chol.T @ step).norm() < 1e-8:
@@ -514,19 +577,48 @@ def _laplace(space, u_map, args, kwargs, dense):
             if not lp_new >= lp[0] - 1e-10 * abs(lp[0]):
                 break
             u_map = candidate.detach()
-        cov = torch.cholesky_inverse(chol)
+        clamped = 0
+        if info.item() == 0:
+            cov = torch.cholesky_inverse(chol)
+        else:
+            evals, evecs = torch.linalg.eigh(precision)
+            positive = evals > 0
+            if not positive.any():
+                raise ValueError("the Hessian at the MAP has no negative curvature")
+            floor = evals[positive].min()
+            clamped = int((evals < floor).sum())
+            evals = evals.clamp(min=floor)
+            cov = (evecs / evals) @ evecs.T
         scale_tril, info = torch.linalg.cholesky_ex(0.5 * (cov + cov.T))
         if info.item() != 0 or not torch.isfinite(scale_tril).all():
             raise ValueError("the Laplace covariance is numerically singular")
-        return Preconditioner(u_map, scale_tril=scale_tril.to(u_map.dtype), source="laplace")
+        found = Preconditioner(u_map, scale_tril=scale_tril.to(u_map.dtype), source="laplace")
+        found.clamped = clamped
+        return found
     gen = torch.Generator().manual_seed(0)
     diag = -space.hessian_diagonal(u_map, args, kwargs, generator=gen).to(torch.float64)
     if not torch.isfinite(diag).all() or not (diag > 0).any():
         raise ValueError("the Hessian diagonal at the MAP is not finite or not negative")
     # coordinates with a non-positive (noisy or non-convex) curvature get the median one
     floor = diag[diag > 0].median()
+    clamped = int((diag <= 0).sum())
     diag = torch.where(diag > 0, diag, floor)
-    return Preconditioner(u_map, scale=diag.rsqrt().to(u_map.dtype), source="laplace")
+    found = Preconditioner(u_map, scale=diag.rsqrt().to(u_map.dtype), source="laplace")
+    found.clamped = clamped
+    return found
+
+
+def _curvature_scales(space, u, args, kwargs):
+    """Per-coordinate scales :math:`(-H_{ii})^{-1/2}` from Hutchinson's estimate of the
+    Hessian's diagonal where it is finite and negative, 1 elsewhere: the start of a
+    Gaussian fit where no Laplace exists."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        diag = -space.hessian_diagonal(u, args, kwargs, generator=gen)
+    except (RuntimeError, ValueError):
+        return torch.ones_like(u)
+    good = torch.isfinite(diag) & (diag > 0)
+    return torch.where(good, diag.clamp(min=1e-30).rsqrt(), torch.ones_like(u))
 
 
 def _elbo_draws(space, precond, eps, args, kwargs):
@@ -629,6 +721,10 @@ def find_preconditioner(
     diagnostics = {"dense": dense}
     rng = pyro.util.get_rng_state()
     try:
+        # a model that fails at its own starting point (NaN data, a shape error) is the
+        # user's to fix: its error propagates here instead of becoming a fallback
+        with torch.no_grad():
+            space.log_density(init_loc[None], args, kwargs)
         problem = None
         u_map = None
         try:
@@ -646,6 +742,7 @@ def find_preconditioner(
         eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
         chosen = laplace
         if laplace is not None:
+            diagnostics["clamped_curvatures"] = laplace.clamped
             lw = _elbo_draws(space, laplace, eps, args, kwargs)
             lw_sd = lw.std().item() if torch.isfinite(lw).all() else math.inf
             diagnostics["laplace_log_weight_sd"] = lw_sd
@@ -658,10 +755,11 @@ def find_preconditioner(
                 vi_start = laplace
             else:
                 loc = init_loc if u_map is None else u_map
+                scale = _curvature_scales(space, loc, args, kwargs)
                 vi_start = (
-                    Preconditioner(loc, scale_tril=torch.eye(dim).to(loc))
+                    Preconditioner(loc, scale_tril=torch.diag(scale))
                     if dense
-                    else Preconditioner(loc, scale=torch.ones_like(loc))
+                    else Preconditioner(loc, scale=scale)
                 )
             try:
                 vi = _gaussian_vi(space, vi_start, args, kwargs, vi_steps, vi_draws, vi_lr, seed)
@@ -717,15 +815,17 @@ def resolve_precondition(precondition, space, init_loc, args, kwargs, dense=None
             "precondition must be True (automatic), False (none) or a "
             f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
         )
-    if space.subsampled:
+    if space.subsampled and not space.subsample_plates:
         warnings.warn(
-            "Preconditioner: the model subsamples its data (pyro.plate subsample_size), so "
-            "its log-density is a random minibatch estimate and no automatic MAP/Laplace "
-            "fit is made; the method runs unpreconditioned. Pass precondition="
-            "Preconditioner(loc, scale=...) (e.g. from a full-data fit) or "
-            "precondition=False to silence this.",
+            "Preconditioner: the model subsamples a plate whose minibatches cannot be "
+            "enumerated, so no automatic MAP/Laplace fit is made; the method runs "
+            "unpreconditioned. Pass precondition=Preconditioner(loc, scale=...) (e.g. from "
+            "a full-data fit) or precondition=False to silence this.",
             PreconditionerWarning,
             stacklevel=3,
         )
         return Preconditioner.identity()
-    return find_preconditioner(space, init_loc, args, kwargs, dense=dense)
+    # the search differentiates the model even when a guide is first called under
+    # torch.no_grad() (e.g. by Predictive)
+    with torch.enable_grad():
+        return find_preconditioner(space, init_loc, args, kwargs, dense=dense)

@@ -119,6 +119,7 @@ def test_weight_space_matches_pyro_svgd_on_one_site():
         0,
         kernel=RBFSteinKernel(),
         init_particles=init,
+        precondition=False,
     )
     for _ in range(3):
         theirs.step()
@@ -175,7 +176,9 @@ def test_weight_space_one_particle_is_gradient_ascent():
             pyro.sample("obs", dist.Normal(mu, 0.5), obs=y)
 
     init = torch.tensor([[0.7]])
-    svgd = WeightSpaceSVGD(model, pyro.optim.SGD({"lr": 0.1}), 1, 1, init_particles=init)
+    svgd = WeightSpaceSVGD(
+        model, pyro.optim.SGD({"lr": 0.1}), 1, 1, init_particles=init, precondition=False
+    )
     svgd.step(y)
     grad = -0.7 / 4.0 + (y - 0.7).sum() / 0.25
     assert torch.allclose(svgd.particles.detach(), init + 0.1 * grad)
@@ -234,7 +237,8 @@ def test_identity_network_equals_weight_space(method):
         init_particles=init,
     )
     ws = WeightSpaceSVGD(
-        model, pyro.optim.SGD({"lr": 0.02}), 6, 1, method=method, init_particles=init
+        model, pyro.optim.SGD({"lr": 0.02}), 6, 1, method=method, init_particles=init,
+        precondition=False,
     )
     for _ in range(3):
         d_f = fs.step(idx, y)

@@ -118,7 +118,10 @@ def test_median_and_quantiles():
 
 def test_init_loc_fn_is_honoured():
     guide = ImplicitGuide(
-        normal_normal, init_loc_fn=init_to_value(values={"mu": torch.tensor(2.5)}), init_scale=0.05
+        normal_normal,
+        precondition=False,
+        init_loc_fn=init_to_value(values={"mu": torch.tensor(2.5)}),
+        init_scale=0.05,
     )
     guide(torch.randn(3))
     mu = guide.sample_posterior(2000)["mu"]

@@ -185,7 +185,7 @@ def test_conjugate_linear_regression_elbo_and_posterior():
     log_evidence = dist.MultivariateNormal(torch.zeros(n), evidence_cov).log_prob(y).item()
 
     # a linear generator makes q Gaussian, with eq. 14 exact: L' is the true ELBO
-    guide = LinearizedGuide(model, hidden_dims=(), noise_dim=d)
+    guide = LinearizedGuide(model, precondition=False, hidden_dims=(), noise_dim=d)
     steps, lr, final_lr = 1000, 0.02, 1e-3
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": (final_lr / lr) ** (1 / steps)})
     svi = SVI(model, guide, optim, LIVI_ELBO(num_particles=8, max_plate_nesting=1))
@@ -222,7 +222,7 @@ def test_constraint_jacobian_sign_and_exact_guides():
             pyro.sample("obs", dist.Poisson(rate), obs=counts)
 
     loc, scale, sigma = 1.3, 0.3, 0.1
-    guide = LinearizedGuide(model, hidden_dims=(), noise_dim=1, sigma=sigma)
+    guide = LinearizedGuide(model, precondition=False, hidden_dims=(), noise_dim=1, sigma=sigma)
     guide(counts)
     with torch.no_grad():
         guide.generator.output.weight.fill_(math.sqrt(scale**2 - sigma**2))
@@ -282,7 +282,7 @@ def test_tempering_is_off_by_default_and_warns():
 # --------------------------------------------------------------------------- guide contract
 def test_trace_layout_and_conditional_density():
     y = torch.randn(5)
-    guide = LinearizedGuide(normal_normal, sigma=0.3)
+    guide = LinearizedGuide(normal_normal, precondition=False, sigma=0.3)
     trace = poutine.trace(guide).get_trace(y)
     name = guide._pyro_name
     info = trace.nodes[f"_{name}_latent"]["infer"]["pyro_implicit"]

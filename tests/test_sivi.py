@@ -96,7 +96,7 @@ def gaussian_kl(m1, s1, m2, s2):
 # --------------------------------------------------------------------------- guide contract
 def test_trace_layout_and_mixing_site():
     y = torch.randn(5)
-    guide = SemiImplicitGuide(normal_normal)
+    guide = SemiImplicitGuide(normal_normal, precondition=False)
     trace = poutine.trace(guide).get_trace(y)
     name = guide._pyro_name
     noise = trace.nodes[f"_{name}_noise"]
@@ -121,7 +121,9 @@ def test_trace_layout_and_mixing_site():
 
 @pytest.mark.parametrize("conditional", ["diagonal", "full", "fixed"])
 def test_conditional_log_prob_is_the_gaussian_density(conditional):
-    guide = SemiImplicitGuide(shapes_model, conditional=conditional, init_scale=0.3)
+    guide = SemiImplicitGuide(
+        shapes_model, precondition=False, conditional=conditional, init_scale=0.3
+    )
     guide()
     dim = guide.latent_dim
     if conditional == "full":
@@ -172,7 +174,10 @@ def test_predictive_shapes(parallel):
 
 def test_median_quantiles_and_init_loc():
     guide = SemiImplicitGuide(
-        gamma_poisson, init_loc_fn=init_to_value(values={"rate": torch.tensor(3.0)}), init_scale=0.2
+        gamma_poisson,
+        precondition=False,
+        init_loc_fn=init_to_value(values={"rate": torch.tensor(3.0)}),
+        init_scale=0.2,
     )
     guide(COUNTS)
     quantiles = guide.quantiles([0.1, 0.5, 0.9])["rate"]
@@ -236,7 +241,7 @@ def test_explicit_guide_gives_the_ordinary_elbo():
 def test_constant_mixing_is_vanilla_vi_exactly():
     # If T(eps) = psi0 for all eps, every mixture component is q(u | psi0): the SIVI terms
     # equal log p(x, z) - log N(u; psi0, sigma^2) - log|du/dz| for any K, lower or upper.
-    guide = SemiImplicitGuide(gamma_poisson, init_scale=0.3)
+    guide = SemiImplicitGuide(gamma_poisson, precondition=False, init_scale=0.3)
     guide(COUNTS)
     with torch.no_grad():
         guide.mixing_net.output.weight.zero_()
@@ -319,7 +324,7 @@ def test_bounds_are_ordered_around_the_exact_elbo():
     # guide: L_0 < L_5 < L_20 < L < Lbar_20 < Lbar_5, L_200 <= L <= Lbar_200 (within
     # standard errors) and L <= log p(x). Lbar_K bounds L, not log p(x) (Prop. 3).
     model, x, y, mean, cov, log_evidence = blr_problem(d=2, n=10)
-    guide = SemiImplicitGuide(model, hidden_dims=(), init_scale=0.5)
+    guide = SemiImplicitGuide(model, precondition=False, hidden_dims=(), init_scale=0.5)
     elbo = fit(
         model,
         guide,
@@ -394,7 +399,9 @@ def test_k0_collapses_the_mixing_and_k20_recovers_the_variance():
     results = {}
     for k in (0, 20):
         pyro.clear_param_store()
-        guide = SemiImplicitGuide(model, conditional="fixed", conditional_scale=0.5, init_scale=0.7)
+        guide = SemiImplicitGuide(
+            model, precondition=False, conditional="fixed", conditional_scale=0.5, init_scale=0.7
+        )
         with pytest.warns(UserWarning, match="Prop. 1") if k == 0 else nullcontext():
             fit(
                 model,

@@ -16,13 +16,12 @@ person::
 
 Methods (:data:`METHODS`):
 
+Every method of the library runs with its defaults, which include the automatic
+preconditioner (:mod:`pyro_implicit.latent`; ``precondition=False`` fits in the raw space).
+
 * ``"implicit"``: :class:`~pyro_implicit.guides.ImplicitGuide` trained with
-  :class:`~pyro_implicit.elbo.KernelRatioELBO` ``(num_particles=100,
-  adaptive_contrast="full", regularizer=3e-3)``. Full adaptive contrast is far more
-  accurate on small models than the paper's default (prior contrast, ``regularizer=1e-3``);
-  3e-3 is a compromise measured in ``benchmarks/results/kivi_settings.md`` (a larger value
-  lets heavy-tailed directions such as eight schools' ``tau`` drift wide, a smaller one
-  narrows correlated posteriors).
+  :class:`~pyro_implicit.elbo.KernelRatioELBO` ``()``: 100 particles, the
+  preconditioner's Gaussian as the ratio's contrast.
 * ``"sivi"``: :class:`~pyro_implicit.guides.SemiImplicitGuide` trained with
   :class:`~pyro_implicit.elbo.SIVI_ELBO` ``(num_particles=50, num_mixing=100)`` (the SIVI
   paper's settings).
@@ -31,9 +30,9 @@ Methods (:data:`METHODS`):
   at these sizes).
 * ``"gpvi"``: :class:`~pyro_implicit.guides.ImplicitGuide` with the skip generator
   ``gpvi_generator()`` trained with :class:`~pyro_implicit.elbo.GPVI_ELBO`
-  ``(num_particles=64, exact_jacobian=True)`` (the paper's "exact Jacobian" variant: cheap
-  at these sizes; with the default helper network and 1000 steps the eight-schools fit
-  was still far too narrow, at learning rates 1e-2 and 1e-3).
+  ``(num_particles=64)`` (its default solves with the exact Jacobian up to D = 64, the
+  paper's "exact Jacobian" variant: with the helper network and 1000 steps the
+  eight-schools fit was still far too narrow, at learning rates 1e-2 and 1e-3).
 * ``"asvgd"``: :class:`~pyro_implicit.guides.ImplicitGuide` trained with
   :class:`~pyro_implicit.elbo.AmortizedSVGD_ELBO` ``(num_particles=64)`` (Wang & Liu's
   amortised SVGD: the SVGD direction pulled back into the generator).
@@ -45,7 +44,8 @@ Methods (:data:`METHODS`):
   particle-major in ``step()``, so on a model with several latent sites its kernel mixes
   coordinates of different particles: the row shows stock Pyro, defect included.
 * ``"wsvgd"``: :class:`~pyro_implicit.particles.WeightSpaceSVGD`, the same algorithm with
-  particle-major packing and an isotropic median-rule RBF kernel.
+  particle-major packing, in the preconditioner's whitened coordinates, with an RBF
+  kernel whose length scale is the median distance.
 
 SVI methods use ``ClippedAdam`` with their own initial learning rate, particle methods
 Adam-style ``ClippedAdam`` too; every learning rate decays geometrically to a tenth of it
@@ -102,32 +102,37 @@ class _Method:
     trace_label: str = "loss (-ELBO estimate)"
 
 
-def _build_implicit(model, mpn):
-    loss = KernelRatioELBO(num_particles=100, regularizer=3e-3, adaptive_contrast="full",
-                           max_plate_nesting=mpn)
-    return ImplicitGuide(model), loss
+def _build_implicit(model, mpn, precondition=True):
+    loss = KernelRatioELBO(max_plate_nesting=mpn)
+    return ImplicitGuide(model, precondition=precondition), loss
 
 
-def _build_sivi(model, mpn):
-    return SemiImplicitGuide(model), SIVI_ELBO(num_particles=50, num_mixing=100,
-                                               max_plate_nesting=mpn)
+def _build_sivi(model, mpn, precondition=True):
+    return SemiImplicitGuide(model, precondition=precondition), SIVI_ELBO(
+        num_particles=50, num_mixing=100, max_plate_nesting=mpn
+    )
 
 
-def _build_livi(model, mpn):
-    return LinearizedGuide(model), LIVI_ELBO(num_particles=8, bound="det", max_plate_nesting=mpn)
+def _build_livi(model, mpn, precondition=True):
+    return LinearizedGuide(model, precondition=precondition), LIVI_ELBO(
+        num_particles=8, bound="det", max_plate_nesting=mpn
+    )
 
 
-def _build_gpvi(model, mpn):
-    loss = GPVI_ELBO(num_particles=64, exact_jacobian=True, max_plate_nesting=mpn)
-    return ImplicitGuide(model, generator=gpvi_generator()), loss
+def _build_gpvi(model, mpn, precondition=True):
+    loss = GPVI_ELBO(num_particles=64, max_plate_nesting=mpn)
+    return ImplicitGuide(model, generator=gpvi_generator(), precondition=precondition), loss
 
 
-def _build_asvgd(model, mpn):
-    return ImplicitGuide(model), AmortizedSVGD_ELBO(num_particles=64, max_plate_nesting=mpn)
+def _build_asvgd(model, mpn, precondition=True):
+    return ImplicitGuide(model, precondition=precondition), AmortizedSVGD_ELBO(
+        num_particles=64, max_plate_nesting=mpn
+    )
 
 
 def _autoguide_builder(cls):
-    def build(model, mpn):
+    def build(model, mpn, precondition=True):
+        # Pyro's guides have no preconditioner: the row is the same either way
         return cls(model), Trace_ELBO(num_particles=8, vectorize_particles=True,
                                       max_plate_nesting=mpn)
 
@@ -138,20 +143,21 @@ def _autoguide_builder(cls):
 NUM_PARTICLES = 100
 
 
-def _build_pyro_svgd(model, mpn, optim):
+def _build_pyro_svgd(model, mpn, optim, precondition=True):
     return SVGD(model, RBFSteinKernel(), optim, num_particles=NUM_PARTICLES,
                 max_plate_nesting=mpn, mode="multivariate")
 
 
-def _build_wsvgd(model, mpn, optim):
-    return WeightSpaceSVGD(model, optim, num_particles=NUM_PARTICLES, max_plate_nesting=mpn)
+def _build_wsvgd(model, mpn, optim, precondition=True):
+    return WeightSpaceSVGD(model, optim, num_particles=NUM_PARTICLES, max_plate_nesting=mpn,
+                           precondition=precondition)
 
 
 #: method name -> how it is built; the keys are the valid ``methods`` of :func:`compare`
 METHODS = {
     "implicit": _Method(
-        "ImplicitGuide + KernelRatioELBO(num_particles=100, adaptive_contrast='full', "
-        "regularizer=3e-3)",
+        "ImplicitGuide + KernelRatioELBO() (100 particles, the preconditioner's Gaussian as "
+        "contrast)",
         1e-2,
         _build_implicit,
     ),
@@ -166,8 +172,8 @@ METHODS = {
         _build_livi,
     ),
     "gpvi": _Method(
-        "ImplicitGuide(generator=gpvi_generator()) + GPVI_ELBO(num_particles=64, "
-        "exact_jacobian=True)",
+        "ImplicitGuide(generator=gpvi_generator()) + GPVI_ELBO(num_particles=64) (exact "
+        "Jacobian solve up to D = 64)",
         3e-3,
         _build_gpvi,
         trace_label="-(mean log target of the step's draws)",
@@ -197,7 +203,8 @@ METHODS = {
         trace_label="Stein force (mean squared particle gradient, summed over sites)",
     ),
     "wsvgd": _Method(
-        f"WeightSpaceSVGD(num_particles={NUM_PARTICLES}), particle-major SVGD, RBF median rule",
+        f"WeightSpaceSVGD(num_particles={NUM_PARTICLES}), particle-major SVGD, RBF kernel with "
+        "the median distance as length scale",
         5e-2,
         _build_wsvgd,
         kind="particles",
@@ -713,16 +720,16 @@ def _steps(name, num_steps, progress):
                 mininterval=0.5, dynamic_ncols=True)
 
 
-def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress):
+def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True):
     """Fit method ``name``; returns ``(approximation, trace)``."""
     method = METHODS[name]
     # Decay to lr / 10 over the run: large early steps, a quiet final iterate.
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1.0 / max(num_steps, 1))})
     if method.kind == "particles":
-        fitted = method.build(model, mpn, optim)
+        fitted = method.build(model, mpn, optim, precondition=precondition)
         step = fitted.step
     else:
-        fitted, loss = method.build(model, mpn)
+        fitted, loss = method.build(model, mpn, precondition=precondition)
         step = SVI(model, fitted, optim, loss).step
     trace = []
     bar = _steps(name, num_steps, progress)
@@ -785,6 +792,7 @@ def compare(
     max_plate_nesting=None,
     progress=True,
     lr=None,
+    precondition=True,
     **kwargs,
 ):
     """Fit each method to ``model`` (or take it fitted) and compare its posterior with NUTS.
@@ -813,6 +821,10 @@ def compare(
     :param bool progress: progress on stderr (tqdm bars, one line per finished method).
     :param lr: initial learning rate: a float for every method, a dict name -> float, or
         ``None`` for each method's default (:data:`METHODS`).
+    :param bool precondition: fit the library's methods in the coordinates of their
+        automatic preconditioner (default; :mod:`pyro_implicit.latent`), or, with
+        ``False``, in the raw unconstrained space as the papers do. Pyro's own guides and
+        ``pyro.infer.SVGD`` are unaffected.
     :param kwargs: keyword arguments of ``model``.
     :rtype: ComparisonResult
     :raises ValueError: for an unknown method name, a bad count, or a model with a
@@ -880,7 +892,7 @@ def compare(
         with PeakMemory() as memory:
             start = time.perf_counter()
             fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn,
-                                 progress)
+                                 progress, precondition=precondition)
             samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn,
                                             shapes)
             wall = time.perf_counter() - start

@@ -131,7 +131,8 @@ class ImplicitAutoGuide(AutoContinuous):
                 f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
             )
         self._init_scale_arg = init_scale
-        self._precondition_arg = precondition
+        # in a tuple: a Preconditioner given here is not a submodule (the one in use is)
+        self._precondition_arg = (precondition,)
         self.num_quantile_samples = int(num_quantile_samples)
         super().__init__(model, init_loc_fn=init_loc_fn)
 
@@ -201,7 +202,7 @@ class ImplicitAutoGuide(AutoContinuous):
         dense = self._dense_preconditioner()
         with poutine.block():
             found = resolve_precondition(
-                self._precondition_arg, space, init_loc.detach(), args, kwargs, dense=dense
+                self._precondition_arg[0], space, init_loc.detach(), args, kwargs, dense=dense
             )
         return found.diagonal() if dense is False else found
 

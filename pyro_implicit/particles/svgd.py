@@ -31,8 +31,8 @@ With a preconditioner (the default of :class:`WeightSpaceSVGD`) the default kern
 scale, :math:`k = \exp(-\|a - b\|^2 / (2\,\mathrm{med}^2))` (KIVI's rule), i.e. a
 bandwidth :math:`\log N / 2` times wider. Liu & Wang's rule shrinks the particle cloud of
 a standard Gaussian as D grows: 100 particles, 2000 Adam steps from exact draws, final sd
-0.99 at D = 1, 0.84 at D = 5, 0.65 at D = 10, 0.30 at D = 50; with the median length scale
-1.00, 1.00, 0.98, 0.96 (``benchmarks/svgd_bandwidth.py``).
+0.99 at D = 1, 0.83-0.84 at D = 5, 0.65-0.66 at D = 10, 0.30 at D = 50; with the median
+length scale 1.00, 1.00, 0.98, 0.95-0.97 (``benchmarks/results/svgd_bandwidth.md``).
 """
 
 import collections
@@ -162,6 +162,19 @@ def stein_direction(particles, score, kernel, method="svgd"):
     return SteinDirection(drive + rep, drive, rep, bandwidth)
 
 
+def _guess_max_plate_nesting(model, args, kwargs):
+    with torch.no_grad():
+        trace = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
+    dims = [
+        -frame.dim
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        for frame in site["cond_indep_stack"]
+        if frame.vectorized and frame.dim is not None
+    ]
+    return max(dims, default=0)
+
+
 class _Prototype(AutoContinuous):
     """Pyro's AutoContinuous, used only for its prototype trace and unconstrained shapes."""
 
@@ -197,7 +210,7 @@ class ParticleInference:
         or a callable ``params -> torch.optim.Optimizer``.
     :param int num_particles: ``N``.
     :param int max_plate_nesting: the model's plate nesting (the particle plate goes
-        outside it).
+        outside it); ``None``: read from one run of the model on the first step.
     :param kernel: the kernel of the update (see :func:`stein_direction`); default
         :class:`~pyro_implicit.kernels.RBFKernel` with the SVGD median rule.
     :param str method: update rule, one of :data:`METHODS`.
@@ -238,7 +251,9 @@ class ParticleInference:
             )
         if int(num_particles) != num_particles or num_particles < 1:
             raise ValueError(f"num_particles must be a positive int, got {num_particles!r}")
-        if int(max_plate_nesting) != max_plate_nesting or max_plate_nesting < 0:
+        if max_plate_nesting is not None and (
+            int(max_plate_nesting) != max_plate_nesting or max_plate_nesting < 0
+        ):
             raise ValueError(
                 f"max_plate_nesting must be a non-negative int, got {max_plate_nesting!r}"
             )
@@ -247,7 +262,7 @@ class ParticleInference:
         self.model = model
         self.optim = optim
         self.num_particles = int(num_particles)
-        self.max_plate_nesting = int(max_plate_nesting)
+        self.max_plate_nesting = None if max_plate_nesting is None else int(max_plate_nesting)
         if kernel is None:
             if precondition is False or precondition is None:
                 kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
@@ -275,6 +290,8 @@ class ParticleInference:
     def _setup(self, args, kwargs):
         if self._sites is not None:
             return
+        if self.max_plate_nesting is None:
+            self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
         searching = self._precondition is True
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
@@ -357,13 +374,19 @@ class ParticleInference:
         """Constrained, plate-aligned site values of the unconstrained rows ``particles``
         (keeping the graph), the unconstrained views, and optionally the per-particle
         log |det dT/du|."""
-        views = {
-            s.name: particles[:, s.start : s.stop].reshape(s.vec_shape) for s in self._sites
-        }
-        if log_jacobian:
-            values, ladj = self.space.unpack(particles, log_jacobian=True)
-        else:
-            values, ladj = self.space.unpack(particles), 0.0
+        values, views = {}, {}
+        ladj = 0.0
+        for s in self._sites:
+            # values from the views, so that gradients may be taken in either
+            u = particles[:, s.start : s.stop].reshape(s.vec_shape)
+            v = s.transform(u)
+            values[s.name], views[s.name] = v, u
+            if log_jacobian:
+                j = s.transform.log_abs_det_jacobian(u, v)
+                if torch.is_tensor(j) and j.dim() > 0:
+                    ladj = ladj + j.reshape(j.shape[0], -1).sum(-1)
+                else:
+                    ladj = ladj + j
         return values, views, ladj
 
     def unconstrained_particles(self):
@@ -487,6 +510,8 @@ class WeightSpaceSVGD(ParticleInference):
     the width grows (f-POVI, Sec. 2 and Fig. 5);
     :class:`~pyro_implicit.particles.FunctionSpaceSVGD` fixes that.
 
+    Defaults: 100 particles, the model's plate nesting read on the first step.
+
     With the default ``precondition=True`` the particles start at draws of the
     preconditioner's Gaussian (:mod:`pyro_implicit.latent`) and move in its whitened
     coordinates, where one isotropic bandwidth and one learning rate suit every direction
@@ -499,8 +524,8 @@ class WeightSpaceSVGD(ParticleInference):
         self,
         model,
         optim,
-        num_particles,
-        max_plate_nesting,
+        num_particles=100,
+        max_plate_nesting=None,
         kernel=None,
         method="svgd",
         init_particles=None,

@@ -1,0 +1,175 @@
+"""Every method with its defaults against exact posteriors (the preconditioning issue's
+acceptance grid).
+
+For each problem of :mod:`pyro_implicit.targets.conjugate` (conjugate Normal,
+Gamma-Poisson, Beta-Bernoulli, a correlated 5-coefficient regression and the same on raw
+predictors spanning five orders of magnitude) and each method, one fit exactly as a new
+user writes it, ``SVI(model, Guide(model), pyro.optim.Adam({"lr": 1e-2}), Loss())`` (or
+``WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}))``), for ``--steps`` steps; then
+4000 draws (the particles for SVGD) scored against the exact posterior in its sd units:
+the largest mean error, the sd-ratio range, the largest correlation error. ``--settings
+compare`` fits with the settings of ``pyro_implicit.diagnostics.compare`` instead
+(``ClippedAdam`` with a decaying rate, each method's particle counts and rate).
+``--no-precondition`` fits in the raw space (the papers' setting) for comparison.
+
+    python benchmarks/exact_defaults.py --steps 2000 --out benchmarks/results/exact_defaults.json
+
+The bar (the issue's): mean error < 0.2, sd ratios in [0.85, 1.15], correlation error
+< 0.1.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pyro
+import torch
+from pyro.infer import SVI
+
+from pyro_implicit import (
+    GPVI_ELBO,
+    LIVI_ELBO,
+    SIVI_ELBO,
+    AmortizedSVGD_ELBO,
+    ImplicitGuide,
+    KernelRatioELBO,
+    LinearizedGuide,
+    SemiImplicitGuide,
+    WeightSpaceSVGD,
+)
+from pyro_implicit.diagnostics import compare as compare_module
+from pyro_implicit.elbo.gpvi import gpvi_generator
+from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
+
+#: method -> how a new user builds it with the defaults: (guide, loss) or particles
+DEFAULT_METHODS = {
+    "kivi": lambda m, p: (ImplicitGuide(m, precondition=p), KernelRatioELBO()),
+    "sivi": lambda m, p: (SemiImplicitGuide(m, precondition=p), SIVI_ELBO()),
+    "livi": lambda m, p: (LinearizedGuide(m, precondition=p), LIVI_ELBO()),
+    "gpvi": lambda m, p: (
+        ImplicitGuide(m, generator=gpvi_generator(), precondition=p),
+        GPVI_ELBO(),
+    ),
+    "asvgd": lambda m, p: (ImplicitGuide(m, precondition=p), AmortizedSVGD_ELBO()),
+    "wsvgd": None,  # WeightSpaceSVGD(model, optim)
+}
+
+#: the bar every (problem, method) must pass
+BAR = {"mean_error": 0.2, "sd_ratio": (0.85, 1.15), "correlation_error": 0.1}
+
+NUM_DRAWS = 4000
+
+
+def passes(score):
+    lo, hi = BAR["sd_ratio"]
+    return (
+        score["mean_error"] < BAR["mean_error"]
+        and lo <= score["sd_ratio_min"]
+        and score["sd_ratio_max"] <= hi
+        and score["correlation_error"] < BAR["correlation_error"]
+    )
+
+
+def fit_default(method, problem, steps, precondition, lr=1e-2):
+    """One fit with the constructors' defaults and plain Adam; returns draws ``(S, ...)``."""
+    model, args = problem.model, problem.args
+    optim = pyro.optim.Adam({"lr": lr})
+    if method == "wsvgd":
+        svgd = WeightSpaceSVGD(model, optim, precondition=precondition)
+        for _ in range(steps):
+            svgd.step(*args)
+        return svgd.get_named_particles()[problem.site]
+    guide, loss = DEFAULT_METHODS[method](model, precondition)
+    svi = SVI(model, guide, optim, loss)
+    for _ in range(steps):
+        svi.step(*args)
+    return guide.sample_posterior(NUM_DRAWS)[problem.site]
+
+
+_COMPARE_NAMES = {"kivi": "implicit", "sivi": "sivi", "livi": "livi", "gpvi": "gpvi",
+                  "asvgd": "asvgd", "wsvgd": "wsvgd"}
+
+
+def fit_compare(method, problem, steps, precondition):
+    """One fit with ``compare``'s settings for the method."""
+    name = _COMPARE_NAMES[method]
+    lr = compare_module.METHODS[name].lr
+    fitted, _ = compare_module._fit(name, problem.model, problem.args, {}, steps, lr,
+                                    problem.max_plate_nesting, False, precondition)
+    draws = compare_module.posterior_draws(fitted, problem.model, problem.args, {}, NUM_DRAWS,
+                                           problem.max_plate_nesting)
+    return draws[0][problem.site] if isinstance(draws, tuple) else draws[problem.site]
+
+
+def run(methods, problems, steps, precondition, settings, seed, dtype, log=print):
+    rows = []
+    for name in problems:
+        for method in methods:
+            torch.set_default_dtype(dtype)
+            problem = exact_problem(name)
+            pyro.clear_param_store()
+            pyro.set_rng_seed(seed)
+            start = time.perf_counter()
+            fit = fit_default if settings == "defaults" else fit_compare
+            draws = fit(method, problem, steps, precondition)
+            seconds = time.perf_counter() - start
+            score = score_draws(draws, problem.posterior)
+            row = {"problem": name, "method": method, "seconds": seconds, **score,
+                   "passes": passes(score)}
+            rows.append(row)
+            log(f"{name:15s} {method:6s} mean {score['mean_error']:.3f} sd "
+                f"[{score['sd_ratio_min']:.3f}, {score['sd_ratio_max']:.3f}] corr "
+                f"{score['correlation_error']:.3f} {'ok' if row['passes'] else 'FAIL'} "
+                f"({seconds:.1f} s)")
+            sys.stdout.flush()
+    return rows
+
+
+def markdown(rows):
+    lines = ["| problem | method | mean error | sd ratio | correlation error | passes | s |",
+             "|---|---|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['problem']} | {r['method']} | {r['mean_error']:.3f} | "
+            f"{r['sd_ratio_min']:.3f}-{r['sd_ratio_max']:.3f} | {r['correlation_error']:.3f} | "
+            f"{'yes' if r['passes'] else '**no**'} | {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    parser.add_argument("--problems", default=",".join(EXACT_PROBLEMS))
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--settings", choices=["defaults", "compare"], default="defaults")
+    parser.add_argument("--no-precondition", dest="precondition", action="store_false")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pyro.enable_validation(True)
+    dtype = getattr(torch, args.dtype)
+    rows = run(args.methods.split(","), args.problems.split(","), args.steps,
+               args.precondition, args.settings, args.seed, dtype)
+    print(markdown(rows))
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        record = {
+            "command": "python " + " ".join(sys.argv),
+            "commit": commit,
+            "date": time.strftime("%Y-%m-%d"),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "bar": BAR,
+            "rows": rows,
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

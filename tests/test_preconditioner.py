@@ -1,0 +1,272 @@
+"""The packed latent space and its automatic preconditioner, against closed forms."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoContinuous
+
+from pyro_implicit import ImplicitGuide, KernelRatioELBO, SemiImplicitGuide, WeightSpaceSVGD
+from pyro_implicit.latent import (
+    LatentSpace,
+    Preconditioner,
+    PreconditionerWarning,
+    find_preconditioner,
+)
+
+
+@pytest.fixture(autouse=True)
+def _setup():
+    torch.set_num_threads(1)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    pyro.enable_validation(True)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    torch.set_default_dtype(dtype)
+
+
+# ------------------------------------------------------------------------- models
+SCALES = (0.01, 1.0, 1000.0)
+NOISE = 0.5
+
+
+def raw_blr(num=40, scales=SCALES, seed=0):
+    """Bayesian linear regression on raw predictors (scales over five orders of
+    magnitude, two of them correlated): the exact posterior is Gaussian."""
+    gen = torch.Generator().manual_seed(seed)
+    d = len(scales)
+    x = torch.randn(num, d, generator=gen)
+    x[:, 1] = 0.8 * x[:, 0] + 0.6 * x[:, 1]
+    scale = torch.tensor(scales)
+    x = x * scale
+    prior_sd = 10.0 / scale
+    beta = torch.randn(d, generator=gen) / scale
+    y = (x * beta).sum(-1) + NOISE * torch.randn(num, generator=gen)
+
+    def model(x, y):
+        b = pyro.sample("beta", dist.Normal(torch.zeros(d), prior_sd).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Normal((x * b).sum(-1), NOISE), obs=y)
+
+    precision = x.T @ x / NOISE**2 + torch.diag(prior_sd.pow(-2))
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (x.T @ y) / NOISE**2
+    return model, (x, y), mean, cov
+
+
+class _Packed(AutoContinuous):
+    """Pyro's packing alone (for building a LatentSpace in tests)."""
+
+    def get_posterior(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+def space_of(model, args):
+    guide = _Packed(model)
+    guide._setup_prototype(*args)
+    guide._max_plate_nesting = 0
+    return LatentSpace.from_guide(guide, args), guide._init_loc().detach()
+
+
+# ------------------------------------------------------------------------- the space
+def test_log_density_and_hessian_match_closed_form():
+    model, args, mean, cov = raw_blr()
+    space, _ = space_of(model, args)
+    assert space.latent_dim == 3 and space.max_plate_nesting == 1
+    u = torch.stack([mean, mean + cov.diagonal().sqrt()])
+    lp = space.log_density(u, args)
+    precision = torch.linalg.inv(cov)
+    # a Gaussian log-density up to a constant: the difference is exact
+    delta = u[1] - u[0]
+    assert (lp[0] - lp[1]).item() == pytest.approx((0.5 * delta @ precision @ delta).item(),
+                                                  rel=1e-8)
+    hess = space.hessian(mean, args)
+    torch.testing.assert_close(hess, -precision, rtol=1e-8, atol=1e-8)
+    _, score = space.score(mean[None], args)
+    assert score.abs().max() < 1e-6 * precision.abs().max()
+
+
+def test_log_density_counts_the_constraint_jacobian():
+    # Gamma prior on a positive site: in u = log(lam) the density gains + u
+    def model():
+        pyro.sample("lam", dist.Gamma(3.0, 2.0))
+
+    space, _ = space_of(model, ())
+    u = torch.tensor([[0.3], [-1.2]])
+    expected = dist.Gamma(3.0, 2.0).log_prob(u.exp()[:, 0]) + u[:, 0]
+    torch.testing.assert_close(space.log_density(u, ()), expected)
+
+
+# ------------------------------------------------------------------------- the map
+@pytest.mark.parametrize("kind", ["dense", "diagonal"])
+def test_preconditioner_round_trip_and_log_det(kind):
+    gen = torch.Generator().manual_seed(1)
+    loc = torch.randn(4, generator=gen)
+    if kind == "dense":
+        tril = torch.randn(4, 4, generator=gen).tril(-1)
+        tril = tril + torch.diag(torch.rand(4, generator=gen) + 0.5)
+        pre = Preconditioner(loc, scale_tril=tril)
+        matrix = tril
+    else:
+        scale = torch.rand(4, generator=gen) + 0.5
+        pre = Preconditioner(loc, scale=scale)
+        matrix = torch.diag(scale)
+    z = torch.randn(3, 2, 4, generator=gen)
+    u = pre.unwhiten(z)
+    torch.testing.assert_close(u, loc + z @ matrix.T)
+    torch.testing.assert_close(pre.whiten(u), z)
+    assert float(pre.log_abs_det()) == pytest.approx(torch.linalg.slogdet(matrix)[1].item())
+    s = torch.randn(5, 4, generator=gen)
+    torch.testing.assert_close(pre.whiten_score(s), s @ matrix)
+    # the marginal of two coordinates has the covariance block
+    marginal = pre.marginal(torch.tensor([2, 0]))
+    cov = matrix @ matrix.T
+    torch.testing.assert_close(marginal.covariance(), cov[[2, 0]][:, [2, 0]])
+
+
+def test_identity_preconditioner_is_a_no_op():
+    pre = Preconditioner.identity()
+    u = torch.randn(3, 2)
+    assert pre.is_identity and pre.unwhiten(u) is u and pre.whiten(u) is u
+    assert pre.log_abs_det() == 0.0
+
+
+def test_preconditioner_rejects_bad_input():
+    with pytest.raises(ValueError, match="positive diagonal"):
+        Preconditioner(torch.zeros(2), scale_tril=-torch.eye(2))
+    with pytest.raises(ValueError, match="not both"):
+        Preconditioner(torch.zeros(2), scale_tril=torch.eye(2), scale=torch.ones(2))
+
+
+# ------------------------------------------------------------------------- finding it
+def test_laplace_is_the_exact_gaussian_posterior():
+    model, args, mean, cov = raw_blr()
+    space, init = space_of(model, args)
+    pre = find_preconditioner(space, init, args)
+    assert pre.source == "laplace" and pre.kind == "dense"
+    sd = cov.diagonal().sqrt()
+    assert ((pre.loc - mean) / sd).abs().max() < 1e-6
+    torch.testing.assert_close(pre.scale_tril, torch.linalg.cholesky(cov), rtol=1e-6, atol=0)
+    assert pre.diagnostics["laplace_log_weight_sd"] < 1e-6
+
+
+def test_non_gaussian_mode_is_refined_by_a_gaussian_fit():
+    # log p(u) = -u^2/2 - u^4: the Laplace at the mode has sd 1, its importance weights
+    # fail the check, and the Gaussian variational fit replaces it
+    def model():
+        u = pyro.sample("u", dist.Normal(0.0, 1.0))
+        pyro.factor("quartic", -(u**4))
+
+    space, init = space_of(model, ())
+    pre = find_preconditioner(space, init, ())
+    assert pre.source == "gaussian_vi"
+    assert pre.diagnostics["gaussian_vi_elbo"] > pre.diagnostics["laplace_elbo"]
+    # the best Gaussian N(0, s^2): the ELBO -3 s^4 - s^2 / 2 + log s peaks at s = 1/2
+    assert abs(pre.loc.item()) < 0.05
+    assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
+
+
+def test_failed_laplace_warns_and_never_falls_back_silently(monkeypatch):
+    model, args, mean, cov = raw_blr()
+    space, init = space_of(model, args)
+    # a Hessian that is not finite (as on a model whose curvature overflows)
+    monkeypatch.setattr(space, "hessian", lambda u, *a, **k: torch.full((3, 3), math.nan))
+    with pytest.warns(PreconditionerWarning, match="Laplace approximation failed"):
+        pre = find_preconditioner(space, init, args, vi_steps=600)
+    assert pre.source == "gaussian_vi"
+    # the Gaussian fit from the MAP with unit scales still finds the location
+    assert ((pre.loc - mean) / cov.diagonal().sqrt()).abs().max() < 0.5
+
+    def fail(*args, **kwargs):
+        raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
+
+    monkeypatch.setattr("pyro_implicit.latent._gaussian_vi", fail)
+    with pytest.warns(PreconditionerWarning, match="runs unpreconditioned"):
+        pre = find_preconditioner(space, init, args)
+    assert pre.is_identity
+
+
+@pytest.mark.parametrize("subsample_size", [5, 6])
+def test_subsampled_model_is_preconditioned_on_the_full_data(subsample_size):
+    x = torch.randn(20)
+
+    def model(x, subsample_size=None):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", 20, subsample_size=subsample_size) as idx:
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=x[idx])
+
+    guide = ImplicitGuide(model)
+    guide(x, subsample_size=subsample_size)
+    # the exact posterior of the full data: N(sum x / (n + 1/100), 1 / (n + 1/100))
+    precision = 20 + 1e-2
+    if 20 % subsample_size == 0:  # the minibatches tile the data: exact
+        assert guide.preconditioner.loc.item() == pytest.approx(x.sum().item() / precision)
+        assert guide.preconditioner.scale_tril.item() == pytest.approx(precision**-0.5)
+    else:  # the last minibatch wraps around: close
+        assert abs(guide.preconditioner.loc.item() - x.sum().item() / precision) < 0.3
+        assert guide.preconditioner.scale_tril.item() == pytest.approx(precision**-0.5, rel=0.1)
+
+
+def test_user_preconditioner_and_switch_off():
+    model, args, mean, cov = raw_blr()
+    given = Preconditioner(mean, scale_tril=torch.linalg.cholesky(cov))
+    guide = ImplicitGuide(model, precondition=given)
+    guide(*args)
+    torch.testing.assert_close(guide.preconditioner.loc, mean)
+    off = ImplicitGuide(model, precondition=False)
+    off(*args)
+    assert not off.whitened
+    with pytest.raises(TypeError, match="precondition must be"):
+        ImplicitGuide(model, precondition="laplace")
+
+
+@pytest.mark.parametrize("guide_class", [ImplicitGuide, SemiImplicitGuide])
+def test_guides_start_at_the_preconditioners_gaussian(guide_class):
+    model, args, mean, cov = raw_blr()
+    guide = guide_class(model)
+    guide(*args)
+    draws = guide.sample_posterior(4000)["beta"]
+    sd = cov.diagonal().sqrt()
+    assert ((draws.mean(0) - mean) / sd).abs().max() < 0.15
+    ratio = draws.std(0) / sd
+    assert ratio.min() > 0.9 and ratio.max() < 1.1
+
+
+# ------------------------------------------------------------------------- invariance
+def _rescaled(factor):
+    """The raw BLR with the first predictor multiplied by ``factor`` (and its prior and
+    coefficient divided by it): the same posterior in a rescaled coordinate."""
+    scales = (SCALES[0] * factor,) + SCALES[1:]
+    return raw_blr(scales=scales)
+
+
+def _first_bandwidths(precondition):
+    out = []
+    for factor in (1.0, 1000.0):
+        model, args, _, _ = _rescaled(factor)
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        guide = ImplicitGuide(model, precondition=precondition)
+        elbo = KernelRatioELBO(num_particles=20, max_plate_nesting=1)
+        SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo).step(*args)
+        kivi = next(iter(elbo.diagnostics.values()))["bandwidth"]
+        pyro.set_rng_seed(3)
+        svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-3}), 20, 1,
+                               precondition=precondition)
+        out.append((kivi, svgd.step(*args)["bandwidth"]))
+    return out
+
+
+def test_kernel_bandwidths_act_in_whitened_coordinates():
+    (kivi_a, svgd_a), (kivi_b, svgd_b) = _first_bandwidths(precondition=True)
+    assert kivi_b == pytest.approx(kivi_a, rel=1e-6)
+    assert svgd_b == pytest.approx(svgd_a, rel=1e-6)
+    # and the check can fail: in raw coordinates the rescaling moves both bandwidths
+    (kivi_a, svgd_a), (kivi_b, svgd_b) = _first_bandwidths(precondition=False)
+    assert not math.isclose(kivi_a, kivi_b, rel_tol=1e-2)
+    assert not math.isclose(svgd_a, svgd_b, rel_tol=1e-2)
