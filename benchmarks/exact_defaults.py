@@ -39,7 +39,9 @@ from pyro_implicit import (
     SemiImplicitGuide,
     WeightSpaceSVGD,
 )
-from pyro_implicit.diagnostics import compare as compare_module
+from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS
+from pyro_implicit.diagnostics.compare import _fit as compare_fit
+from pyro_implicit.diagnostics.compare import posterior_draws
 from pyro_implicit.elbo.gpvi import gpvi_generator
 from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
 
@@ -95,12 +97,12 @@ _COMPARE_NAMES = {"kivi": "implicit", "sivi": "sivi", "livi": "livi", "gpvi": "g
 def fit_compare(method, problem, steps, precondition):
     """One fit with ``compare``'s settings for the method."""
     name = _COMPARE_NAMES[method]
-    lr = compare_module.METHODS[name].lr
-    fitted, _ = compare_module._fit(name, problem.model, problem.args, {}, steps, lr,
-                                    problem.max_plate_nesting, False, precondition)
-    draws = compare_module.posterior_draws(fitted, problem.model, problem.args, {}, NUM_DRAWS,
-                                           problem.max_plate_nesting)
-    return draws[0][problem.site] if isinstance(draws, tuple) else draws[problem.site]
+    lr = COMPARE_METHODS[name].lr
+    fitted, _ = compare_fit(name, problem.model, problem.args, {}, steps, lr,
+                            problem.max_plate_nesting, False, precondition)
+    draws, _ = posterior_draws(fitted, problem.model, problem.args, {}, NUM_DRAWS,
+                               problem.max_plate_nesting)
+    return draws[problem.site]
 
 
 def run(methods, problems, steps, precondition, settings, seed, dtype, log=print):
