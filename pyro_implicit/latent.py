@@ -61,6 +61,12 @@ DENSE_LIMIT = 2000
 #: model runs per batch when the Hessian is built row block by row block
 _HESSIAN_CHUNK = 256
 
+#: largest D for which the Gaussian variational fit learns a dense factor of its own
+_VI_DENSE_LIMIT = 256
+
+#: the Gaussian variational fit starts at this fraction of its starting scale
+_VI_START_SCALE = 0.1
+
 #: most Newton steps that polish the MAP where the Hessian is dense
 _NEWTON_STEPS = 3
 
@@ -522,7 +528,7 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter):
         [u],
         lr=1.0,
         max_iter=max_iter,
-        history_size=50,
+        history_size=20,
         tolerance_grad=1e-9,
         tolerance_change=1e-12,
         line_search_fn="strong_wolfe",
@@ -558,8 +564,9 @@ def _laplace(space, u_map, args, kwargs, dense):
     Dense: Newton steps first polish the L-BFGS mode (on a stiff posterior L-BFGS stops
     short along the flat directions; for a Gaussian one step is exact). Where the
     Hessian is not negative definite (a saddle, the flat directions of a network's
-    weight symmetries) its eigenvalues are raised to the smallest positive curvature,
-    a saddle-free Newton's metric (Dauphin et al. 2014), instead of failing."""
+    weight symmetries) the curvatures are taken in absolute value, at least the smallest
+    positive one: the metric of saddle-free Newton (Dauphin et al. 2014), instead of
+    failing."""
     if dense:
         for _ in range(_NEWTON_STEPS + 1):
             precision = -space.hessian(u_map, args, kwargs).to(torch.float64)
@@ -587,7 +594,7 @@ def _laplace(space, u_map, args, kwargs, dense):
                 raise ValueError("the Hessian at the MAP has no negative curvature")
             floor = evals[positive].min()
             clamped = int((evals < floor).sum())
-            evals = evals.clamp(min=floor)
+            evals = evals.abs().clamp(min=floor)
             cov = (evecs / evals) @ evecs.T
         scale_tril, info = torch.linalg.cholesky_ex(0.5 * (cov + cov.T))
         if info.item() != 0 or not torch.isfinite(scale_tril).all():
@@ -637,18 +644,25 @@ def _elbo_draws(space, precond, eps, args, kwargs):
 
 def _gaussian_vi(space, start, args, kwargs, num_steps, num_draws, lr, seed):
     """A Gaussian variational fit in the coordinates of ``start``: ``u = m + L (a + B e)``
-    with lower-triangular ``B`` (diagonal for a diagonal ``start``), by Adam on the
-    reparameterised ELBO (exact Gaussian entropy)."""
+    with lower-triangular ``B`` (diagonal for a diagonal ``start`` or beyond
+    :data:`_VI_DENSE_LIMIT` coordinates, where ``L`` already carries the correlations), by
+    Adam on the reparameterised ELBO (exact Gaussian entropy)."""
     dim = space.latent_dim
-    dense = start.kind == "dense"
+    dense = start.kind == "dense" and dim <= _VI_DENSE_LIMIT
     ref = start.loc
     shift = torch.zeros(dim, dtype=ref.dtype, requires_grad=True)
-    log_diag = torch.zeros(dim, dtype=ref.dtype, requires_grad=True)
-    params = [shift, log_diag]
+    # start a tenth as wide as ``start``: a Gaussian fit grows out of a narrow start safely,
+    # while draws from a too-wide one (a Laplace along a network's flat directions) can
+    # land where the log-density is astronomically low and its gradient useless
+    log_diag = torch.full((dim,), math.log(_VI_START_SCALE), dtype=ref.dtype,
+                          requires_grad=True)
+    groups = [{"params": [shift, log_diag]}]
     if dense:
         lower = torch.zeros(dim, dim, dtype=ref.dtype, requires_grad=True)
-        params.append(lower)
-    opt = torch.optim.Adam(params, lr=lr)
+        # Adam moves every entry by about lr per step whatever its gradient: a row of D
+        # off-diagonal entries would grow like lr sqrt(D) per step, so their rate is lr / D
+        groups.append({"params": [lower], "lr": lr / dim})
+    opt = torch.optim.Adam(groups, lr=lr)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.1 ** (1.0 / num_steps))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(num_steps):
@@ -671,6 +685,9 @@ def _gaussian_vi(space, start, args, kwargs, num_steps, num_draws, lr, seed):
         if dense:
             b = lower.tril(-1) + torch.diag(log_diag.exp())
             return Preconditioner(loc, scale_tril=start.scale_tril @ b, source="gaussian_vi")
+        if start.kind == "dense":  # L diag(s) is lower triangular too
+            return Preconditioner(loc, scale_tril=start.scale_tril * log_diag.exp(),
+                                  source="gaussian_vi")
         return Preconditioner(loc, scale=start.scale * log_diag.exp(), source="gaussian_vi")
 
 
@@ -681,7 +698,7 @@ def find_preconditioner(
     kwargs=None,
     *,
     dense=None,
-    max_iter=500,
+    max_iter=200,
     check_draws=256,
     max_log_weight_sd=0.3,
     vi_steps=300,
@@ -729,13 +746,16 @@ def find_preconditioner(
         u_map = None
         try:
             u_map, lp_map = _map_by_lbfgs(space, init_loc, args, kwargs, max_iter)
+            diagnostics["map_seconds"] = time.perf_counter() - start_time
             diagnostics["map_log_density"] = lp_map
         except RuntimeError as e:
             problem = f"the MAP search failed ({e})"
         laplace = None
         if u_map is not None:
             try:
+                mark = time.perf_counter()
                 laplace = _laplace(space, u_map, args, kwargs, dense)
+                diagnostics["laplace_seconds"] = time.perf_counter() - mark
             except ValueError as e:
                 problem = f"{e}"
         gen = torch.Generator().manual_seed(seed)
@@ -762,7 +782,12 @@ def find_preconditioner(
                     else Preconditioner(loc, scale=scale)
                 )
             try:
-                vi = _gaussian_vi(space, vi_start, args, kwargs, vi_steps, vi_draws, vi_lr, seed)
+                mark = time.perf_counter()
+                # beyond the dense limit the fit only rescales (and shifts) L's columns:
+                # fewer draws per step suffice for D + D parameters
+                draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
+                vi = _gaussian_vi(space, vi_start, args, kwargs, vi_steps, draws, vi_lr, seed)
+                diagnostics["gaussian_vi_seconds"] = time.perf_counter() - mark
                 lw_vi = _elbo_draws(space, vi, eps, args, kwargs)
                 elbo_vi = lw_vi.mean().item() if torch.isfinite(lw_vi).all() else -math.inf
                 diagnostics["gaussian_vi_elbo"] = elbo_vi

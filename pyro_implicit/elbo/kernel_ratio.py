@@ -180,7 +180,10 @@ class KernelRatioELBO(ImplicitELBO):
         (:mod:`pyro_implicit.latent`), so the kernel acts on the whitened draws, where q
         starts exactly at r (a ratio of 1 is where kernel ratio fits are most accurate).
         Default ``"auto"``: ``"preconditioner"`` when every kernel-estimated site is drawn
-        by a preconditioned guide, else ``False`` (the paper's).
+        by a preconditioned guide whose draws can fill the space (a generator with at
+        least as many noise values as outputs: the default up to D = 64), ``"full"`` for a
+        preconditioned guide of lower rank (a fixed full-rank contrast is infinitely far
+        from it; on a UCI BNN the fit diverged), else ``False`` (the paper's).
     :param exact_sites: names of latent sites whose guide has a density, such as the
         explicit Gamma q of a noise precision in KIVI's UCI models (App. E), composed with
         an implicit guide through Pyro's ``AutoGuideList`` (a hand-written guide or any of
@@ -316,9 +319,11 @@ class KernelRatioELBO(ImplicitELBO):
         if kind not in ("auto", "preconditioner"):
             return kind, None
         found = {}
+        full_rank = True
         for site in implicit_guide_sites(guide_trace):
             guide = implicit_site_info(site)["guide"]
             pre = preconditioner_of(guide)
+            full_rank = full_rank and getattr(guide, "full_rank", True)
             start = 0
             for name, shape in guide._unconstrained_shapes.items():
                 size = math.prod(shape)
@@ -326,6 +331,11 @@ class KernelRatioELBO(ImplicitELBO):
                     found[name] = (pre, slice(start, start + size))
                 start += size
         if all(name in found for name in names):
+            if kind == "auto" and not full_rank:
+                # q lives on a manifold of the noise's size: its KL to a fixed full-rank
+                # Gaussian is unbounded, and the fit diverges (a UCI BNN, D = 752); a
+                # contrast fitted to q's own draws stays usable
+                return "full", None
             return "preconditioner", found
         if kind == "preconditioner":
             missing = sorted(set(names) - set(found))

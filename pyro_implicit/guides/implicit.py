@@ -189,6 +189,15 @@ class ImplicitGuide(ImplicitAutoGuide):
     def _latent_from_noise(self, noise):
         return self.generator(noise)
 
+    @property
+    def full_rank(self):
+        """Whether the generator has at least as many noise values as outputs (per block
+        with ``per_site``), so that q can have a density on the whole space."""
+        self._check_ready()
+        gen = self.generator
+        blocks = gen.blocks if hasattr(gen, "blocks") else [gen]
+        return all(b.noise_dim >= b.out_dim for b in blocks)
+
     def latent_groups(self):
         """Groups of site names across which q factorises (one group unless
         ``per_site``); losses may estimate the KL group by group."""
