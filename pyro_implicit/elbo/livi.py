@@ -337,7 +337,9 @@ class LIVI_ELBO(ImplicitELBO):
     code's two weights (its ``jacobi_down_weight`` and ``prob_down_weight``); they default
     to 1 (off) and warn when changed.
 
-    :param int num_particles: S, draws per step (the paper: 1-2 for images).
+    :param int num_particles: S, draws per step (default 8; the paper uses 1-2 for
+        images: with 2 and a constant learning rate of 1e-2 the final iterate of a
+        Beta-Bernoulli fit was 0.28 posterior sd off, with 8 it settles).
     :param str bound: ``"det"`` (L', eq. 15, whole Jacobians, :math:`O(Dd)` memory) or
         ``"svd"`` (L'', eq. 18, matrix-free, :math:`O(D + d)` memory).
     :param int num_iterations: LOBPCG iterations for ``bound="svd"`` (the authors' code:
@@ -361,7 +363,7 @@ class LIVI_ELBO(ImplicitELBO):
 
     def __init__(
         self,
-        num_particles=2,
+        num_particles=8,
         bound="det",
         num_iterations=5,
         entropy_weight=1.0,
