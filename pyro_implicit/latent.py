@@ -615,6 +615,12 @@ def _laplace(space, u_map, args, kwargs, dense):
     return found
 
 
+def _diagonal_start(loc, scale, dense):
+    if dense:
+        return Preconditioner(loc, scale_tril=torch.diag(scale))
+    return Preconditioner(loc, scale=scale)
+
+
 def _curvature_scales(space, u, args, kwargs):
     """Per-coordinate scales :math:`(-H_{ii})^{-1/2}` from Hutchinson's estimate of the
     Hessian's diagonal where it is finite and negative, 1 elsewhere: the start of a
@@ -771,32 +777,39 @@ def find_preconditioner(
         else:
             needs_vi = True
         if needs_vi:
+            # two starts: the Laplace (or, without one, the MAP with its curvature
+            # scales), and the model's own starting point with unit scales, as ADVI
+            # starts; the first is right for skewed posteriors, the second for funnels,
+            # whose mode sits in the neck where a Gaussian started there stays
+            starts = []
             if laplace is not None:
-                vi_start = laplace
-            else:
-                loc = init_loc if u_map is None else u_map
-                scale = _curvature_scales(space, loc, args, kwargs)
-                vi_start = (
-                    Preconditioner(loc, scale_tril=torch.diag(scale))
-                    if dense
-                    else Preconditioner(loc, scale=scale)
-                )
-            try:
-                mark = time.perf_counter()
-                # beyond the dense limit the fit only rescales (and shifts) L's columns:
-                # fewer draws per step suffice for D + D parameters
-                draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
-                vi = _gaussian_vi(space, vi_start, args, kwargs, vi_steps, draws, vi_lr, seed)
-                diagnostics["gaussian_vi_seconds"] = time.perf_counter() - mark
-                lw_vi = _elbo_draws(space, vi, eps, args, kwargs)
-                elbo_vi = lw_vi.mean().item() if torch.isfinite(lw_vi).all() else -math.inf
-                diagnostics["gaussian_vi_elbo"] = elbo_vi
-                if math.isfinite(elbo_vi) and (
-                    laplace is None or elbo_vi > diagnostics["laplace_elbo"]
-                ):
-                    chosen = vi
-            except (ValueError, RuntimeError) as e:
-                problem = (problem + "; " if problem else "") + f"the Gaussian fit failed ({e})"
+                starts.append(("laplace", laplace))
+            elif u_map is not None:
+                scale = _curvature_scales(space, u_map, args, kwargs)
+                starts.append(("map", _diagonal_start(u_map, scale, dense)))
+            starts.append(("init", _diagonal_start(init_loc, torch.ones_like(init_loc), dense)))
+            best = diagnostics.get("laplace_elbo", -math.inf) if laplace is not None else None
+            mark = time.perf_counter()
+            # beyond the dense limit the fit only rescales (and shifts) L's columns:
+            # fewer draws per step suffice for D + D parameters
+            draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
+            for label, vi_start in starts:
+                try:
+                    vi = _gaussian_vi(
+                        space, vi_start, args, kwargs, vi_steps, draws, vi_lr, seed
+                    )
+                    lw_vi = _elbo_draws(space, vi, eps, args, kwargs)
+                    elbo_vi = lw_vi.mean().item() if torch.isfinite(lw_vi).all() else -math.inf
+                except (ValueError, RuntimeError) as e:
+                    problem = (problem + "; " if problem else "") + (
+                        f"the Gaussian fit from the {label} failed ({e})"
+                    )
+                    continue
+                diagnostics[f"gaussian_vi_elbo_from_{label}"] = elbo_vi
+                if math.isfinite(elbo_vi) and (best is None or elbo_vi > best):
+                    best, chosen = elbo_vi, vi
+                    diagnostics["gaussian_vi_elbo"] = elbo_vi
+            diagnostics["gaussian_vi_seconds"] = time.perf_counter() - mark
         if laplace is None:
             if chosen is not None:
                 warnings.warn(
