@@ -359,12 +359,17 @@ class KernelRatioELBO(ImplicitELBO):
         shrink = min(1.0, dim / z.shape[0])
         batch_cov = (1 - shrink) * batch_cov + shrink * torch.diag(batch_cov.diagonal())
         delta = batch_mean - mean
-        mean = mean + rate * delta
-        cov = (1 - rate) * (cov + rate * torch.outer(delta, delta)) + rate * batch_cov
-        cov = 0.5 * (cov + cov.T)
-        self._contrast_moments[key] = (mean, cov)
+        new_mean = mean + rate * delta
+        new_cov = (1 - rate) * (cov + rate * torch.outer(delta, delta)) + rate * batch_cov
+        new_cov = 0.5 * (new_cov + new_cov.T)
         eye = torch.eye(dim, dtype=cov.dtype, device=cov.device)
-        tril = torch.linalg.cholesky(cov + 1e-10 * eye)
+        tril, info = torch.linalg.cholesky_ex(new_cov + 1e-10 * eye)
+        if info.item() == 0 and torch.isfinite(tril).all():
+            self._contrast_moments[key] = (new_mean, new_cov)
+        else:  # q's draws have (nearly) collapsed: keep r where it was
+            tril = torch.linalg.cholesky(cov + 1e-10 * eye)
+            new_mean = mean
+        mean = new_mean
         ref = q
         if pre.kind == "dense":
             scale_tril = pre.scale_tril.to(torch.float64) @ tril

@@ -1,0 +1,114 @@
+"""Merge ``benchmarks/stiff.py`` result files into one table and check the
+preconditioning issue's goals against it.
+
+    python benchmarks/stiff_report.py benchmarks/results/stiff.json \\
+        benchmarks/results/stiff_raw_rest.json benchmarks/results/stiff_pre.json \\
+        --markdown benchmarks/results/stiff.md
+
+Later files replace earlier rows of the same (model, method, precondition). Each row
+keeps the commit of the file it came from, and the header lists every file's command and
+commit, so a table that mixes runs says so. The goal checks (the issue's):
+
+* the best of our preconditioned methods within 3x NUTS's noise floor (the halves floor,
+  and the iid floor of the same number of draws) on every posterior;
+* each of our preconditioned methods at least as close to NUTS (max mean error, energy
+  distance) as ``AutoMultivariateNormal``;
+* the time to that quality (the fit's seconds) at most 1/5 of NUTS's wall time.
+"""
+
+import argparse
+import importlib.util
+import json
+import pathlib
+
+OURS = ("implicit", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
+
+
+def _stiff():
+    path = pathlib.Path(__file__).with_name("stiff.py")
+    spec = importlib.util.spec_from_file_location("stiff", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def merge(paths):
+    runs, rows, references, notes = [], {}, {}, {}
+    for path in paths:
+        record = json.loads(pathlib.Path(path).read_text())
+        commit = record["git_commit"][:7] + ("+dirty" if record["git_dirty"] else "")
+        runs.append((path, record["command"], commit, record["date"]))
+        for row in record["results"]:
+            row = dict(row, commit=commit)
+            rows[(row["model"], row["method"], row["precondition"])] = row
+        for name, ref in record["references"].items():
+            references.setdefault(name, ref)
+            references[name].update(ref)
+        notes.update(record.get("notes", {}))
+    first = json.loads(pathlib.Path(paths[0]).read_text())
+    order = list(references)
+    merged = dict(first, references={n: references[n] for n in order}, notes=notes,
+                  results=sorted(rows.values(), key=lambda r: (order.index(r["model"]),
+                                                                r["method"])))
+    return merged, runs
+
+
+def goals(record):
+    lines = ["## The issue's goals", "",
+             "| model | best of ours (+pre) | its mean err | x floor | x iid | "
+             "fit s / NUTS s | ours (+pre) no worse than AutoMVN |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    met_floor = met_mvn = met_time = 0
+    for name, ref in record["references"].items():
+        rows = [r for r in record["results"] if r["model"] == name and r["status"] == "ok"]
+        ours = [r for r in rows if r["method"] in OURS and r["precondition"] is True]
+        mvn = [r for r in rows if r["method"] == "automvn"]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["mean_error_max"])
+        within = best["floor_ratio"] <= 3 or best["iid_floor_ratio"] <= 3
+        met_floor += within
+        time_ratio = best["fit_seconds"] / ref["wall_time"]
+        met_time += time_ratio <= 0.2
+        worse = []
+        if mvn:
+            m = mvn[0]
+            worse = [r["method"] for r in ours
+                     if r["mean_error_max"] > m["mean_error_max"]
+                     or r["energy_distance"] > max(m["energy_distance"], 0.0)]
+        met_mvn += not worse
+        lines.append(
+            f"| {name} | {best['method']} | {best['mean_error_max']:.3f} | "
+            f"{best['floor_ratio']:.1f} | {best['iid_floor_ratio']:.1f} | {time_ratio:.2f} | "
+            f"{'yes' if not worse else 'no: ' + ', '.join(worse)} |")
+    total = len(record["references"])
+    lines += ["",
+              f"Best of ours within 3x a noise floor: {met_floor} of {total}; every method of "
+              f"ours no worse than AutoMVN (mean error and energy distance): {met_mvn} of "
+              f"{total}; the best fit in at most 1/5 of NUTS's time: {met_time} of {total}.",
+              ""]
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--markdown", required=True)
+    args = parser.parse_args(argv)
+    record, runs = merge(args.files)
+    table = _stiff().markdown(record).split("\n")
+    header = ["# Stiff posteriors: methods with and without the affine preconditioner", "",
+              "Merged from these runs (later rows replace earlier ones; the `commit` of each "
+              "row is its run's):", ""]
+    header += [f"- `{cmd}` (commit {commit}, {date}) -> `{path}`"
+               for path, cmd, commit, date in runs]
+    header += [f"- merged by `python benchmarks/stiff_report.py {' '.join(args.files)} "
+               f"--markdown {args.markdown}`", ""]
+    body = table[2:]  # drop the single-run title and command line
+    body = [line for line in body if not line.startswith("`python")]
+    out = header + goals(record) + body
+    pathlib.Path(args.markdown).write_text("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
