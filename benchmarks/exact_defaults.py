@@ -155,12 +155,13 @@ def main(argv=None):
     torch.set_num_threads(1)
     pyro.enable_validation(True)
     dtype = getattr(torch, args.dtype)
+    # the commit of the code that runs, read before it runs
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     rows = run(args.methods.split(","), args.problems.split(","), args.steps,
                args.precondition, args.settings, args.seed, dtype)
     print(markdown(rows))
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
         record = {
             "command": "python " + " ".join(sys.argv),
             "commit": commit,
