@@ -191,6 +191,7 @@ def test_torch_optimizer_factory_matches_pyro_optim():
         pyro.optim.Adam({"lr": 0.1}),
         lambda params: torch.optim.Adam(params, lr=0.1),
     ):
+        pyro.set_rng_seed(0)  # the preconditioner's search starts from prior medians
         svgd = WeightSpaceSVGD(_gamma_model(), optim, 4, 0, init_particles=init)
         for _ in range(3):
             svgd.step()
