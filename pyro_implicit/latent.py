@@ -48,6 +48,7 @@ from torch.distributions import biject_to
 
 __all__ = [
     "LatentSpace",
+    "plate_nesting",
     "preconditioner_of",
     "Preconditioner",
     "PreconditionerWarning",
@@ -91,6 +92,19 @@ def _is_subsampled(trace):
         if site["type"] == "sample"
         for frame in site["cond_indep_stack"]
     )
+
+
+def plate_nesting(trace):
+    """The number of vectorised plate dims the sample sites of ``trace`` use (the
+    ``max_plate_nesting`` Pyro asks for)."""
+    dims = [
+        -frame.dim
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        for frame in site["cond_indep_stack"]
+        if frame.vectorized and frame.dim is not None
+    ]
+    return max(dims, default=0)
 
 
 def _subsample_plates(trace):
@@ -140,14 +154,7 @@ class LatentSpace:
         self.model = model
         # every plate of the model counts, those of observed sites too (a guide's own
         # max_plate_nesting counts only its latents' plates)
-        dims = [
-            -frame.dim
-            for site in prototype_trace.nodes.values()
-            if site["type"] == "sample"
-            for frame in site["cond_indep_stack"]
-            if frame.vectorized and frame.dim is not None
-        ]
-        self.max_plate_nesting = max([int(max_plate_nesting)] + dims)
+        self.max_plate_nesting = max(int(max_plate_nesting), plate_nesting(prototype_trace))
         sites, pos = [], 0
         #: whether the model subsamples a plate (its log-density is then a minibatch
         #: estimate, a random function of the particles)
@@ -192,23 +199,25 @@ class LatentSpace:
         self.dtype, self.device = first.dtype, first.device
 
     @classmethod
-    def from_guide(cls, guide, args=(), kwargs=None):
+    def from_guide(cls, guide, args=(), kwargs=None, max_plate_nesting=0):
         """The space of an ``AutoContinuous`` guide that has been set up, with the model's
-        plate nesting read from one more model run (the guide's prototype trace hides
-        the observed sites and their plates)."""
-        with torch.no_grad():
-            full = poutine.block(poutine.trace(guide.model).get_trace)(*args, **(kwargs or {}))
-        dims = [
-            -frame.dim
-            for site in full.nodes.values()
-            if site["type"] == "sample"
-            for frame in site["cond_indep_stack"]
-            if frame.vectorized and frame.dim is not None
-        ]
+        plate nesting and subsampled plates read from one more model run (the guide's
+        prototype trace hides the observed sites, their plates and the subsample sites).
+
+        :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's)."""
+        # the run draws from the prior: leave the caller's random streams as they were
+        rng = pyro.util.get_rng_state()
+        try:
+            with torch.no_grad():
+                full = poutine.block(poutine.trace(guide.model).get_trace)(
+                    *args, **(kwargs or {})
+                )
+        finally:
+            pyro.util.set_rng_state(rng)
         space = cls(
             guide.model,
             guide.prototype_trace,
-            max([guide._max_plate_nesting] + dims),
+            max(getattr(guide, "_max_plate_nesting", 0), max_plate_nesting, plate_nesting(full)),
             guide._unconstrained_shapes,
         )
         space.subsample_plates = _subsample_plates(full)
@@ -292,7 +301,7 @@ class LatentSpace:
 
         return particle_sum(log_prob, num, -dim)
 
-    def log_density(self, u, args=(), kwargs=None):
+    def log_density(self, u, args=(), kwargs=None, full_data=True):
         """The unconstrained log-density :math:`\\log p(x, T(u)) + \\log|\\det
         \\partial T/\\partial u|` of every row of ``u`` ``(N, D)``, one model run: ``(N,)``.
         Every sample site counts (latent and observed, with plate and ``subsample_size``
@@ -302,8 +311,9 @@ class LatentSpace:
         minibatch estimates over minibatches that cover every index of each subsampled
         plate (exact when ``subsample_size`` divides the plate's size; otherwise the
         last minibatch wraps around and a few points count twice), so the result is a
-        deterministic function of ``u``, as a MAP search and a Hessian need."""
-        if not self.subsample_plates:
+        deterministic function of ``u``, as a MAP search and a Hessian need; with
+        ``full_data=False`` it is one minibatch estimate (as a stochastic method uses)."""
+        if not self.subsample_plates or not full_data:
             return self._log_density(u, args, kwargs)
         batches = _covering_minibatches(self.subsample_plates, u.device)
         total = 0.0

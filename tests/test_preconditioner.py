@@ -16,6 +16,7 @@ from pyro_implicit.latent import (
     PreconditionerWarning,
     find_preconditioner,
 )
+from pyro_implicit.targets.conjugate import linear_regression
 
 
 @pytest.fixture(autouse=True)
@@ -31,32 +32,15 @@ def _setup():
 
 
 # ------------------------------------------------------------------------- models
-SCALES = (0.01, 1.0, 1000.0)
-NOISE = 0.5
+SCALES = (0.01, 1.0, 1000.0, 0.1, 100.0)
 
 
-def raw_blr(num=40, scales=SCALES, seed=0):
+def raw_blr(scales=SCALES):
     """Bayesian linear regression on raw predictors (scales over five orders of
-    magnitude, two of them correlated): the exact posterior is Gaussian."""
-    gen = torch.Generator().manual_seed(seed)
-    d = len(scales)
-    x = torch.randn(num, d, generator=gen)
-    x[:, 1] = 0.8 * x[:, 0] + 0.6 * x[:, 1]
-    scale = torch.tensor(scales)
-    x = x * scale
-    prior_sd = 10.0 / scale
-    beta = torch.randn(d, generator=gen) / scale
-    y = (x * beta).sum(-1) + NOISE * torch.randn(num, generator=gen)
-
-    def model(x, y):
-        b = pyro.sample("beta", dist.Normal(torch.zeros(d), prior_sd).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("y", dist.Normal((x * b).sum(-1), NOISE), obs=y)
-
-    precision = x.T @ x / NOISE**2 + torch.diag(prior_sd.pow(-2))
-    cov = torch.linalg.inv(precision)
-    mean = cov @ (x.T @ y) / NOISE**2
-    return model, (x, y), mean, cov
+    magnitude, correlated pairs): the exact posterior is Gaussian."""
+    problem = linear_regression(scales)
+    posterior = problem.posterior
+    return problem.model, problem.args, posterior.mean, posterior.covariance_matrix
 
 
 class _Packed(AutoContinuous):
@@ -77,7 +61,7 @@ def space_of(model, args):
 def test_log_density_and_hessian_match_closed_form():
     model, args, mean, cov = raw_blr()
     space, _ = space_of(model, args)
-    assert space.latent_dim == 3 and space.max_plate_nesting == 1
+    assert space.latent_dim == 5 and space.max_plate_nesting == 1
     u = torch.stack([mean, mean + cov.diagonal().sqrt()])
     lp = space.log_density(u, args)
     precision = torch.linalg.inv(cov)
@@ -175,7 +159,7 @@ def test_failed_laplace_warns_and_never_falls_back_silently(monkeypatch):
     model, args, mean, cov = raw_blr()
     space, init = space_of(model, args)
     # a Hessian that is not finite (as on a model whose curvature overflows)
-    monkeypatch.setattr(space, "hessian", lambda u, *a, **k: torch.full((3, 3), math.nan))
+    monkeypatch.setattr(space, "hessian", lambda u, *a, **k: torch.full((5, 5), math.nan))
     with pytest.warns(PreconditionerWarning, match="Laplace approximation failed"):
         pre = find_preconditioner(space, init, args, vi_steps=600)
     assert pre.source == "gaussian_vi"

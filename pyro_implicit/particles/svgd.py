@@ -50,7 +50,7 @@ from pyro.util import check_site_shape
 
 from ..elbo.base import particle_sum
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
-from ..latent import LatentSpace, Preconditioner, resolve_precondition
+from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
 
 __all__ = [
     "METHODS",
@@ -164,15 +164,7 @@ def stein_direction(particles, score, kernel, method="svgd"):
 
 def _guess_max_plate_nesting(model, args, kwargs):
     with torch.no_grad():
-        trace = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
-    dims = [
-        -frame.dim
-        for site in trace.nodes.values()
-        if site["type"] == "sample"
-        for frame in site["cond_indep_stack"]
-        if frame.vectorized and frame.dim is not None
-    ]
-    return max(dims, default=0)
+        return plate_nesting(poutine.block(poutine.trace(model).get_trace)(*args, **kwargs))
 
 
 class _Prototype(AutoContinuous):
@@ -306,10 +298,15 @@ class ParticleInference:
                         "latent vector and cannot hold local latents of a subsampled plate. "
                         "Subsample only plates without latent sites."
                     )
-        self.space = LatentSpace(
-            self.model, proto.prototype_trace, self.max_plate_nesting,
-            proto._unconstrained_shapes,
+        self.space = LatentSpace.from_guide(
+            proto, args, kwargs, max_plate_nesting=self.max_plate_nesting
         )
+        if self.space.max_plate_nesting != self.max_plate_nesting:
+            raise ValueError(
+                f"the model uses {self.space.max_plate_nesting} plate dims but "
+                f"max_plate_nesting={self.max_plate_nesting}: pass the model's true plate "
+                "nesting (or None to have it read from the model)"
+            )
         self._sites = self.space.sites
         self.latent_dim = self.space.latent_dim
         dtype = self.space.dtype
@@ -550,19 +547,11 @@ class WeightSpaceSVGD(ParticleInference):
             # with a preconditioner the particles are z and the score below is
             # L^T grad_u by the chain rule: the update acts in whitened coordinates
             u = self.unconstrained_particles()
-            values, _, ladj = self._unpack(u, log_jacobian=True)
-            trace = self._trace(values, args, kwargs)
             if first:
-                self._check_shapes(trace)
-            names = [
-                name
-                for name, site in trace.nodes.items()
-                if site["type"] == "sample"
-                and not site_is_subsample(site)
-                and not _is_deterministic(site)
-            ]
-            trace.compute_log_prob(site_filter=lambda name, site: name in names)
-            log_joint = self._particle_sum(trace, names) + ladj
+                values, _, _ = self._unpack(u.detach())
+                self._check_shapes(self._trace(values, args, kwargs))
+            # one minibatch estimate when the model subsamples: SVGD is stochastic
+            log_joint = self.space.log_density(u, args, kwargs, full_data=False)
             (score,) = torch.autograd.grad(log_joint.sum(), self.particles)
         d = stein_direction(self.particles, score, self.kernel, self.method)
         self._apply(d.direction)

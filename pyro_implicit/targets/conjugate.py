@@ -20,7 +20,13 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-__all__ = ["EXACT_PROBLEMS", "ExactProblem", "exact_problem", "score_draws"]
+__all__ = [
+    "EXACT_PROBLEMS",
+    "ExactProblem",
+    "exact_problem",
+    "linear_regression",
+    "score_draws",
+]
 
 
 @dataclasses.dataclass
@@ -95,6 +101,13 @@ def _blr(gen, scales):
     cov = 0.5 * (cov + cov.T)
     mean = cov @ (x.T @ y) / noise**2
     return model, (x, y), "beta", dist.MultivariateNormal(mean, covariance_matrix=cov)
+
+
+def linear_regression(scales, seed=0):
+    """Bayesian linear regression on predictors with the given scales (two correlated
+    pairs), priors scaled to match: its exact Gaussian posterior over ``"beta"``."""
+    model, args, site, posterior = _blr(torch.Generator().manual_seed(seed), tuple(scales))
+    return ExactProblem(f"blr{tuple(scales)}", model, args, site, posterior)
 
 
 _BUILDERS = {
