@@ -94,6 +94,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--markdown", required=True)
+    parser.add_argument("--note", default="", help="a paragraph placed under the run list")
     args = parser.parse_args(argv)
     record, runs = merge(args.files)
     table = _stiff().markdown(record).split("\n")
@@ -104,6 +105,8 @@ def main(argv=None):
                for path, cmd, commit, date in runs]
     header += [f"- merged by `python benchmarks/stiff_report.py {' '.join(args.files)} "
                f"--markdown {args.markdown}`", ""]
+    if args.note:
+        header += [args.note, ""]
     body = table[2:]  # drop the single-run title and command line
     body = [line for line in body if not line.startswith("`python")]
     out = header + goals(record) + body
