@@ -43,7 +43,7 @@ def _cases():
             yield pytest.param(method, problem, marks=marks, id=f"{method}-{problem}")
 
 
-@pytest.mark.parametrize("method, problem", _cases())
+@pytest.mark.parametrize("method, problem", list(_cases()))
 def test_defaults_recover_the_exact_posterior(method, problem, load_benchmark):
     # the recorded run's code path, seed and dtype (float32, a user's default)
     bench = load_benchmark("exact_defaults")
