@@ -21,6 +21,7 @@ from .guides import (
     SemiImplicitEncoder,
     SemiImplicitGuide,
 )
+from .latent import LatentSpace, Preconditioner, PreconditionerWarning
 from .particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
 __version__ = "0.1.0"
@@ -37,7 +38,10 @@ __all__ = [
     "ImplicitGuide",
     "KernelRatioELBO",
     "LIVI_ELBO",
+    "LatentSpace",
     "LinearizedGuide",
+    "Preconditioner",
+    "PreconditionerWarning",
     "SIVI_ELBO",
     "SemiImplicitEncoder",
     "SemiImplicitGuide",
