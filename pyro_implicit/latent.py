@@ -251,24 +251,32 @@ class LatentSpace:
             plates (a particle plate placed left of plates already in use).
         :return: ``values`` or ``(values, log_jacobian)``.
         """
+        values, _, ladj = self.unpack_views(u, extra_dims, log_jacobian)
+        return (values, ladj) if log_jacobian else values
+
+    def unpack_views(self, u, extra_dims=0, log_jacobian=True):
+        """``(values, views, log_jacobian)``: :meth:`unpack`'s values and log-Jacobian (0
+        without ``log_jacobian``) and the plate-aligned unconstrained views they are
+        computed from (so a gradient may be taken in either)."""
         if u.dim() != 2 or u.shape[-1] != self.latent_dim:
             raise ValueError(
                 f"expected (N, {self.latent_dim}) packed latents, got {tuple(u.shape)}"
             )
-        values = {}
+        values, views = {}, {}
         ladj = u.new_zeros(u.shape[0])
         for s in self.sites:
             shape = s.vec_shape[:1] + (1,) * extra_dims + s.vec_shape[1:]
             part = u[:, s.start : s.stop].reshape(shape)
             value = s.transform(part)
-            values[s.name] = value
-            if log_jacobian:
-                j = s.transform.log_abs_det_jacobian(part, value)
-                if torch.is_tensor(j) and j.dim() > 0:
-                    ladj = ladj + j.reshape(j.shape[0], -1).sum(-1)
-                else:
-                    ladj = ladj + j
-        return (values, ladj) if log_jacobian else values
+            values[s.name], views[s.name] = value, part
+            if not log_jacobian:
+                continue
+            j = s.transform.log_abs_det_jacobian(part, value)
+            if torch.is_tensor(j) and j.dim() > 0:
+                ladj = ladj + j.reshape(j.shape[0], -1).sum(-1)
+            else:
+                ladj = ladj + j
+        return values, views, ladj
 
     def site_values(self, u):
         """``{site: (N, *site_shape)}`` constrained values of the rows of ``u``."""

@@ -371,20 +371,8 @@ class ParticleInference:
         """Constrained, plate-aligned site values of the unconstrained rows ``particles``
         (keeping the graph), the unconstrained views, and optionally the per-particle
         log |det dT/du|."""
-        values, views = {}, {}
-        ladj = 0.0
-        for s in self._sites:
-            # values from the views, so that gradients may be taken in either
-            u = particles[:, s.start : s.stop].reshape(s.vec_shape)
-            v = s.transform(u)
-            values[s.name], views[s.name] = v, u
-            if log_jacobian:
-                j = s.transform.log_abs_det_jacobian(u, v)
-                if torch.is_tensor(j) and j.dim() > 0:
-                    ladj = ladj + j.reshape(j.shape[0], -1).sum(-1)
-                else:
-                    ladj = ladj + j
-        return values, views, ladj
+        values, views, ladj = self.space.unpack_views(particles, log_jacobian=log_jacobian)
+        return values, views, (ladj if log_jacobian else 0.0)
 
     def unconstrained_particles(self):
         """The ``(N, D)`` packed unconstrained latents of the particles, ``u = m + L z``
