@@ -41,6 +41,8 @@ import warnings
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide.initialization import init_to_median
 from pyro.poutine.runtime import _DIM_ALLOCATOR
 from pyro.poutine.util import site_is_subsample
 from torch import nn
@@ -224,6 +226,22 @@ class LatentSpace:
         space.subsampled = space.subsampled or bool(space.subsample_plates)
         return space
 
+    @classmethod
+    def from_model(cls, model, args=(), kwargs=None, max_plate_nesting=0):
+        """The space of ``model`` itself, for code that has no guide (draws handed in as
+        a dict, NUTS draws, Pyro's own guides): Pyro's ``AutoContinuous`` builds the
+        prototype trace from one prior run, with the caller's random streams restored.
+
+        :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's)."""
+        proto = AutoContinuous(model, init_loc_fn=init_to_median)
+        rng = pyro.util.get_rng_state()
+        try:
+            with torch.no_grad(), poutine.block():
+                proto._setup_prototype(*args, **(kwargs or {}))
+        finally:
+            pyro.util.set_rng_state(rng)
+        return cls.from_guide(proto, args, kwargs, max_plate_nesting)
+
     # ------------------------------------------------------------------ packing
     def pack(self, values):
         """``(N, D)`` unconstrained rows from ``{site: (N, *site_shape) constrained}``."""
@@ -354,11 +372,12 @@ class LatentSpace:
             total = total + self.particle_sum(trace.nodes[name]["log_prob"], num, dim)
         return total
 
-    def score(self, u, args=(), kwargs=None):
-        """``(log_density, score)`` at the rows of ``u``: ``(N,)`` and ``(N, D)``."""
+    def score(self, u, args=(), kwargs=None, full_data=True):
+        """``(log_density, score)`` at the rows of ``u``: ``(N,)`` and ``(N, D)`` (on one
+        minibatch with ``full_data=False``, see :meth:`log_density`)."""
         with torch.enable_grad():
             u = u.detach().requires_grad_(True)
-            lp = self.log_density(u, args, kwargs)
+            lp = self.log_density(u, args, kwargs, full_data=full_data)
             (grad,) = torch.autograd.grad(lp.sum(), u)
         return lp.detach(), grad
 

@@ -3,6 +3,11 @@
 * :mod:`.compare`: :func:`compare` fits methods (or takes fitted ones) and scores each
   against NUTS in one :class:`ComparisonResult` (table, DataFrame, JSON-able dict).
 * :mod:`.metrics`: the sample-based discrepancies behind the table.
+* :mod:`.stein`: :func:`stein_discrepancy`, how far any draws (an implicit guide's,
+  particles, NUTS's) are from the posterior, from the model's score alone: no NUTS needed.
+* :mod:`.importance`: PSIS for guides with a log-density: :func:`psis_diagnostic`
+  (k-hat), :func:`importance_weights` and :func:`importance_refine`.
+* :mod:`.draws`: :func:`posterior_draws` from any fitted approximation.
 * :mod:`.nuts`: :func:`run_nuts`, the reference sampler.
 * :mod:`.memory`: :class:`PeakMemory`, the peak-memory column of comparisons and benchmarks.
 * :mod:`.arviz`: :func:`to_inference_data` for NUTS, guides, particles and draws, so
@@ -12,22 +17,38 @@
 """
 
 from .arviz import comparison_to_inference_data, predictive_samples, to_inference_data
-from .compare import METHODS, ComparisonResult, MethodResult, compare, posterior_draws
+from .compare import METHODS, ComparisonResult, MethodResult, compare
+from .draws import posterior_draws
+from .importance import (
+    ImportanceResult,
+    UnreliableWeightsError,
+    importance_refine,
+    importance_weights,
+    psis_diagnostic,
+)
 from .memory import PeakMemory
 from .metrics import compare_samples
 from .nuts import NUTSResult, run_nuts
+from .stein import SteinDiscrepancy, stein_discrepancy
 
 __all__ = [
     "METHODS",
     "ComparisonResult",
+    "ImportanceResult",
     "MethodResult",
     "NUTSResult",
     "PeakMemory",
+    "SteinDiscrepancy",
+    "UnreliableWeightsError",
     "compare",
     "compare_samples",
     "comparison_to_inference_data",
+    "importance_refine",
+    "importance_weights",
     "posterior_draws",
     "predictive_samples",
+    "psis_diagnostic",
     "run_nuts",
+    "stein_discrepancy",
     "to_inference_data",
 ]
