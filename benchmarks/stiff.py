@@ -19,6 +19,10 @@ Usage::
         --markdown benchmarks/results/stiff.md
     # smoke test (200 steps, two models)
     python benchmarks/stiff.py --quick --precondition off
+    # with the diagnostics that need no NUTS (KSD for every fit, PSIS k-hat where the
+    # guide has a density), for benchmarks/stiff_diagnostics.py
+    python benchmarks/stiff.py --models all --methods all --precondition both \
+        --diagnostics --out benchmarks/results/stiff_diagnostics.json
 
 Gold standards. NUTS runs with a dense mass matrix (4 chains x 2000 draws after 1000
 warmup). Where the benchmark's own parameterisation is hard for NUTS too, the gold run
@@ -55,6 +59,7 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pyro_implicit.diagnostics import psis_diagnostic, stein_discrepancy  # noqa: E402
 from pyro_implicit.diagnostics.compare import (  # noqa: E402
     METHODS,
     latent_shapes,
@@ -62,6 +67,7 @@ from pyro_implicit.diagnostics.compare import (  # noqa: E402
 )
 from pyro_implicit.diagnostics.metrics import compare_samples  # noqa: E402
 from pyro_implicit.diagnostics.nuts import run_nuts  # noqa: E402
+from pyro_implicit.diagnostics.stein import model_preconditioner  # noqa: E402
 from pyro_implicit.models import (  # noqa: E402
     EIGHT_SCHOOLS_SIGMA,
     EIGHT_SCHOOLS_Y,
@@ -725,7 +731,44 @@ def _warm_up(model, args, kwargs, mpn):
     pyro.clear_param_store()
 
 
-def fit_one(model_name, method, precondition, steps, seed, num_draws, lr, reference):
+_KSD_COORDINATES = {}
+
+
+def ksd_coordinates(model_name):
+    """The model's automatic preconditioner (cached): the common coordinates in which every
+    fit's Stein discrepancy is computed, so the values of one model can be ranked."""
+    if model_name not in _KSD_COORDINATES:
+        model, args, kwargs, mpn = MODELS[model_name]()
+        with torch.random.fork_rng():
+            _KSD_COORDINATES[model_name] = model_preconditioner(
+                model, *args, max_plate_nesting=mpn, **kwargs)
+    return _KSD_COORDINATES[model_name]
+
+
+def diagnostics(model_name, draws, fitted=None, seed=0):
+    """KSD of ``draws`` in the model's common coordinates and, for a guide with a
+    log-density (``fitted``), PSIS k-hat from 1000 draws; neither needs NUTS."""
+    model, args, kwargs, mpn = MODELS[model_name]()
+    out = {}
+    start = time.perf_counter()
+    ksd = stein_discrepancy(model, draws, *args, preconditioner=ksd_coordinates(model_name),
+                            max_plate_nesting=mpn, **kwargs)
+    out.update(ksd=ksd.ksd, ksd_squared_unbiased=ksd.ksd_squared_unbiased,
+               ksd_noise_level=ksd.noise_level, ksd_seconds=time.perf_counter() - start)
+    if fitted is not None:
+        start = time.perf_counter()
+        pyro.set_rng_seed(seed)
+        try:
+            out["k_hat"] = psis_diagnostic(model, fitted, *args, num_samples=1000,
+                                           max_plate_nesting=mpn, **kwargs)
+        except TypeError:
+            out["k_hat"] = None  # no log-density (an implicit guide)
+        out["k_hat_seconds"] = time.perf_counter() - start
+    return out
+
+
+def fit_one(model_name, method, precondition, steps, seed, num_draws, lr, reference,
+            with_diagnostics=False):
     """Fit one (model, method, precondition) and score it against ``reference``.
 
     :return: a result row (a dict of plain values).
@@ -761,6 +804,8 @@ def fit_one(model_name, method, precondition, steps, seed, num_draws, lr, refere
         draws, _ = posterior_draws(obj, model, args, kwargs, num_draws, mpn,
                                    latent_shapes(model, *args, **kwargs))
         draw_time = time.perf_counter() - start
+        if with_diagnostics:
+            row.update(diagnostics(model_name, draws, obj if kind == "svi" else None, seed))
     except (ValueError, RuntimeError, AssertionError) as e:
         row.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}",
                    failed_at_step=len(losses), fit_seconds=time.perf_counter() - start)
@@ -803,7 +848,9 @@ def _fit_line(row):
             "iid), sd ratio "
             f"{_num(row['sd_ratio_min'], '.2f')}-{_num(row['sd_ratio_max'], '.2f')}, energy "
             f"{_num(row['energy_distance'], '.3f')}, corr err "
-            f"{_num(row['correlation_error_max'], '.2f')}, fit {row['fit_seconds']:.1f} s")
+            f"{_num(row['correlation_error_max'], '.2f')}, fit {row['fit_seconds']:.1f} s"
+            + (f", KSD {row['ksd']:.4f}" if "ksd" in row else "")
+            + (f", k-hat {row['k_hat']:.2f}" if row.get("k_hat") is not None else ""))
 
 
 def markdown(record):
@@ -913,6 +960,9 @@ def main(argv=None):
                    f"per model: {NUTS_DRAWS})")
     p.add_argument("--warmup", type=int, default=NUTS_DEFAULTS["warmup_steps"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--diagnostics", action="store_true",
+                   help="also the Stein discrepancy of every fit and of the NUTS gold draws, "
+                   "and PSIS k-hat where the guide has a log-density")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float64)
@@ -949,7 +999,8 @@ def main(argv=None):
         "settings": {"models": models, "methods": methods, "steps": args.steps,
                      "precondition": args.precondition, "seed": args.seed, "lr": args.lr,
                      "optimizer": "pyro.optim.Adam", "num_draws": args.draws,
-                     "dtype": "float64", "threads": args.threads, "quick": args.quick},
+                     "dtype": "float64", "threads": args.threads, "quick": args.quick,
+                     "diagnostics": args.diagnostics},
         "references": {n: _reference_meta_for_record(m) for n, (_, m) in references.items()},
         "notes": {n: REFERENCE_NOTES.get(n, "") for n in models},
         "results": [],
@@ -970,10 +1021,18 @@ def main(argv=None):
         num_coords = sum(math.prod(v.shape[1:]) for v in ref_draws.values())
         iid_floor = iid_mean_error_floor(num_coords, args.draws, meta["ess_min"])
         record["references"][name]["iid_floor_mean_error"] = iid_floor
+        if args.diagnostics:
+            # the gold draws thinned to as many as a guide gives: NUTS's own KSD, the
+            # yardstick of the fits'
+            num = next(iter(ref_draws.values())).shape[0]
+            keep = torch.linspace(0, num - 1, min(num, args.draws)).round().long()
+            gold = diagnostics(name, {k: v[keep] for k, v in ref_draws.items()})
+            record["references"][name]["diagnostics"] = gold
+            _log(f"  NUTS gold KSD {gold['ksd']:.4f} (noise level {gold['ksd_noise_level']:.4f})")
         for method in methods:
             for pre in ([None] if method in PYRO_METHODS else switch):
                 row = fit_one(name, method, bool(pre), args.steps, args.seed, args.draws,
-                              args.lr, ref_draws)
+                              args.lr, ref_draws, with_diagnostics=args.diagnostics)
                 row["nuts_wall_time"] = meta["wall_time"]
                 if row["status"] == "ok":
                     row["floor_ratio"] = (row["mean_error_max"] / floor if floor > 0

@@ -231,6 +231,7 @@ class LatentSpace:
         """The space of ``model`` itself, for code that has no guide (draws handed in as
         a dict, NUTS draws, Pyro's own guides): Pyro's ``AutoContinuous`` builds the
         prototype trace from one prior run, with the caller's random streams restored.
+        The space's ``init_loc`` holds the packed prior medians.
 
         :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's)."""
         proto = AutoContinuous(model, init_loc_fn=init_to_median)
@@ -238,9 +239,13 @@ class LatentSpace:
         try:
             with torch.no_grad(), poutine.block():
                 proto._setup_prototype(*args, **(kwargs or {}))
+            init_loc = proto._init_loc().detach()
         finally:
             pyro.util.set_rng_state(rng)
-        return cls.from_guide(proto, args, kwargs, max_plate_nesting)
+        space = cls.from_guide(proto, args, kwargs, max_plate_nesting)
+        #: packed prior medians (Pyro's ``init_to_median``): a start for a MAP search
+        space.init_loc = init_loc
+        return space
 
     # ------------------------------------------------------------------ packing
     def pack(self, values):

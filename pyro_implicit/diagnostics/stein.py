@@ -41,11 +41,16 @@ import math
 import torch
 
 from ..guides import ImplicitAutoGuide
-from ..latent import LatentSpace, Preconditioner
+from ..latent import LatentSpace, Preconditioner, resolve_precondition
 from ..particles import ParticleInference
 from .draws import guess_max_plate_nesting, posterior_draws, source_kind
 
-__all__ = ["SteinDiscrepancy", "imq_stein_kernel_sums", "stein_discrepancy"]
+__all__ = [
+    "SteinDiscrepancy",
+    "imq_stein_kernel_sums",
+    "model_preconditioner",
+    "stein_discrepancy",
+]
 
 #: rows of the S x S Stein-kernel matrix formed at once
 _ROW_BLOCK = 1024
@@ -154,6 +159,20 @@ def _draws_in_latent_space(model, source, args, kwargs, num_samples, max_plate_n
     draws, _ = posterior_draws(source, model, args, kwargs, num_samples, max_plate_nesting)
     space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
     return space, space.pack(draws), Preconditioner.identity()
+
+
+def model_preconditioner(model, *args, max_plate_nesting=None, **kwargs):
+    """The model's automatic preconditioner (:func:`~pyro_implicit.latent.find_preconditioner`
+    from the prior medians: the one every method of the library finds), to pass as
+    ``preconditioner`` to several :func:`stein_discrepancy` calls so that their values are
+    comparable.
+
+    :rtype: ~pyro_implicit.latent.Preconditioner
+    """
+    if max_plate_nesting is None:
+        max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
+    space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
+    return resolve_precondition(True, space, space.init_loc, args, kwargs)
 
 
 @torch.no_grad()
