@@ -11,6 +11,7 @@ import torch
 from pyro.infer import SVGD, Predictive, RBFSteinKernel
 
 from pyro_implicit.bnn import BNNRegression, mlp_forward
+from pyro_implicit.elbo import VectorizationError
 from pyro_implicit.kernels import IMQKernel, RBFKernel, svgd_bandwidth_factor
 from pyro_implicit.particles import (
     METHODS,
@@ -238,7 +239,12 @@ def test_identity_network_equals_weight_space(method):
         init_particles=init,
     )
     ws = WeightSpaceSVGD(
-        model, pyro.optim.SGD({"lr": 0.02}), 6, 1, method=method, init_particles=init,
+        model,
+        pyro.optim.SGD({"lr": 0.02}),
+        6,
+        1,
+        method=method,
+        init_particles=init,
         precondition=False,
     )
     for _ in range(3):
@@ -296,9 +302,17 @@ def test_likelihood_must_use_the_recorded_function():
             pyro.deterministic("f", (x * w.unsqueeze(-2)).sum(-1), event_dim=0)
             pyro.sample("obs", dist.Normal((x * w.unsqueeze(-2)).sum(-1), 0.1), obs=y)
 
-    svgd = FunctionSpaceSVGD(model, pyro.optim.SGD({"lr": 0.01}), 3, 1, prior_score="none")
+    # (x * w.unsqueeze(-2)) puts the particles at the wrong dim: the vectorisation check
+    # would refuse the model first, so it is off here
+    svgd = FunctionSpaceSVGD(
+        model, pyro.optim.SGD({"lr": 0.01}), 3, 1, prior_score="none", check_vectorization=False
+    )
     with pytest.raises(ValueError, match="does not use the value recorded at 'f'"):
         svgd.step(torch.randn(6, 2), torch.randn(6))
+    with pytest.raises(VectorizationError, match="site 'f'"):
+        FunctionSpaceSVGD(model, pyro.optim.SGD({"lr": 0.01}), 3, 1).step(
+            torch.randn(6, 2), torch.randn(6)
+        )
 
 
 def test_gfsf_solve_in_float32_with_low_dimensional_particles():

@@ -26,6 +26,7 @@ from torch.distributions import biject_to
 from ..guides.base import implicit_site_info
 
 __all__ = [
+    "DivergenceError",
     "ImplicitELBO",
     "VectorizationError",
     "auxiliary_site_value",
@@ -38,6 +39,22 @@ __all__ = [
 class VectorizationError(ValueError):
     """The model gives different log-densities under a vectorised particle plate than
     when each draw is evaluated on its own."""
+
+
+class DivergenceError(ValueError):
+    """A fit has diverged: a non-finite loss, non-finite or exploding draws, or a model
+    that fails at draws the fit has moved to. The message names the sites and what to
+    try."""
+
+
+#: what to try when a fit diverges (shared by the losses and the particle methods)
+DIVERGENCE_ADVICE = (
+    "Try a lower learning rate (e.g. pyro.optim.Adam({'lr': 1e-3}), or ClippedAdam), the "
+    "preconditioner (precondition=True, the default of this library's guides and of "
+    "WeightSpaceSVGD), float64 (torch.set_default_dtype(torch.float64) before building "
+    "the data and the guide) or more particles; check that the model's priors are proper "
+    "and its data on a sensible scale."
+)
 
 
 def _is_latent(site):
@@ -201,35 +218,163 @@ def prior_particles(model, args, kwargs, names, num_samples, max_plate_nesting):
     }
 
 
+_VECTORIZATION_FIX = (
+    "Write the model so that latent values may carry extra leading batch dims: e.g. "
+    "`(x * beta).sum(-1)` instead of `beta @ x.T` or `torch.dot`, `.sum(-1)` instead of "
+    "`.sum()`, no `.squeeze()`; or build BNNs with pyro_implicit.bnn. Pass "
+    "check_vectorization=False to the loss (or particle method) to skip this check."
+)
+
+
+def _shape(t):
+    return tuple(t.shape) if torch.is_tensor(t) else ()
+
+
+def _batch_shape(site):
+    fn = site["fn"]
+    return tuple(getattr(fn, "batch_shape", ()))
+
+
+def _shapes_text(names, alone, together, num_draws, what="value"):
+    """``'beta' value (3,) -> (3, 1, 3); ...`` for the named sites found in both traces."""
+    parts = []
+    for name in names:
+        if name not in alone.nodes or name not in together.nodes:
+            continue
+        a, b = alone.nodes[name], together.nodes[name]
+        if what == "value":
+            parts.append(f"'{name}' value {_shape(a['value'])} -> {_shape(b['value'])}")
+        else:
+            parts.append(f"'{name}' batch shape {_batch_shape(a)} -> {_batch_shape(b)}")
+    return (
+        f"Shapes (one draw alone -> {num_draws} draws together): " + "; ".join(parts)
+        if parts
+        else ""
+    )
+
+
+def _expected_batch_shape(alone_shape, num_draws, max_plate_nesting):
+    """The batch shape a site of batch shape ``alone_shape`` should have under a particle
+    plate of ``num_draws`` at ``dim = -max_plate_nesting``, or ``None`` if it cannot."""
+    rest = max_plate_nesting - 1 - len(alone_shape)
+    if rest < 0:
+        return None
+    return (num_draws,) + (1,) * rest + tuple(alone_shape)
+
+
+def check_observed_finite(trace):
+    """Raise a ``ValueError`` naming the observed site whose data hold NaN or infinite
+    values (a likelihood of NaN data is NaN for every latent value: no fit can mean
+    anything, and the error would otherwise surface deep inside a loss)."""
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"] or site_is_subsample(site):
+            continue
+        if (site.get("infer") or {}).get("_deterministic", False):
+            continue
+        value = site["value"]
+        if torch.is_tensor(value) and value.is_floating_point():
+            bad = ~torch.isfinite(value)
+            if bad.any():
+                raise ValueError(
+                    f"the data of observed site '{name}' hold {int(bad.sum())} non-finite "
+                    f"value(s) (NaN or inf) out of {value.numel()}: the log-density is then "
+                    "NaN for every latent value. Remove or impute them (or mask them with "
+                    "poutine.mask / obs_mask) before fitting."
+                )
+
+
 def check_vectorized_log_joint(
-    model, guide, args, kwargs, max_plate_nesting, num_draws=3, rtol=1e-4
+    model, guide, args, kwargs, max_plate_nesting, num_draws=3, rtol=1e-4, values=None
 ):
-    """Compare the model's log-joint of a few guide draws evaluated under a vectorised
-    particle plate with the same draws evaluated one at a time.
+    """Compare the model's log-joint of a few draws evaluated under a vectorised particle
+    plate with the same draws evaluated one at a time.
 
     A model that is not written for vectorised sampling (e.g. ``beta @ x.T`` with a
     ``to_event`` latent, ``torch.dot``, ``.sum()`` over all dims, ``squeeze()``) mixes
     particles silently and gives a wrong posterior with no error. This turns that into a
-    :class:`VectorizationError` that names the fix.
+    :class:`VectorizationError` that names the first site whose log-density differs (or
+    the last site reached, if the vectorised run crashes) and the shapes alone and
+    together, with the fix. Data with NaN or infinite values get a ``ValueError`` naming
+    the observed site instead (that is not a vectorisation problem), and so does a
+    log-density that is not finite for a draw evaluated alone.
 
+    :param guide: the guide whose draws are checked; ``None``: draws of the model's prior
+        (for methods without a guide, e.g. NUTS or particle methods).
     :param int max_plate_nesting: plate nesting *including* the particle plate.
+    :param dict values: instead of a guide, ``{site: value}`` of ``num_draws`` draws of
+        every latent site, already shaped for the particle plate at ``dim =
+        -max_plate_nesting`` (as :meth:`pyro_implicit.latent.LatentSpace.unpack` gives).
     """
+    dim = -max_plate_nesting
     with torch.no_grad(), poutine.block():
-        plate = pyro.plate("_check_particles", num_draws, dim=-max_plate_nesting)
-        guide_trace = poutine.trace(plate(guide)).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(plate(model), trace=guide_trace)).get_trace(
-            *args, **kwargs
-        )
-        model_trace.compute_log_prob()
-        vectorized = sum(
-            particle_sum(site["log_prob"], num_draws, max_plate_nesting)
-            for site in model_trace.nodes.values()
+        plate = pyro.plate("_check_particles", num_draws, dim=dim)
+        if values is not None:
+            vectorized_model = poutine.condition(plate(model), data=values)
+        elif guide is not None:
+            guide_trace = poutine.trace(plate(guide)).get_trace(*args, **kwargs)
+            vectorized_model = poutine.replay(plate(model), trace=guide_trace)
+        else:
+            vectorized_model = plate(model)
+        tracer = poutine.trace(vectorized_model)
+        crash = None
+        try:
+            model_trace = tracer.get_trace(*args, **kwargs)
+        except (RuntimeError, ValueError, IndexError) as e:
+            crash = e
+            model_trace = tracer.msngr.trace
+        # one draw alone: an error here is the model's own, not one of vectorisation
+        alone = poutine.trace(model).get_trace(*args, **kwargs)
+        check_observed_finite(alone)
+        names = [name for name, site in alone.nodes.items() if _is_latent(site)]
+        shapes = {name: alone.nodes[name]["value"].shape for name in names}
+        if crash is None:
+            try:
+                model_trace.compute_log_prob()
+            except (RuntimeError, ValueError, IndexError) as e:
+                crash = e
+        if crash is not None:
+            reached = [
+                name
+                for name, site in model_trace.nodes.items()
+                if site["type"] == "sample" and not site_is_subsample(site)
+            ]
+            last = f"The last site it reached is '{reached[-1]}'; " if reached else ""
+            first_line = str(crash).strip().splitlines()[0] if str(crash).strip() else ""
+            raise VectorizationError(
+                f"The model runs on one draw alone but fails when {num_draws} draws are "
+                f"evaluated together under a particle plate at dim {dim} "
+                f"({type(crash).__name__}: {first_line}). {last}"
+                f"{_shapes_text(names, alone, model_trace, num_draws)}. "
+                f"{_VECTORIZATION_FIX}"
+            ) from crash
+        sites = [
+            (name, site)
+            for name, site in model_trace.nodes.items()
             if site["type"] == "sample" and not site_is_subsample(site)
-        )
-        shapes = {
-            name: site["value"].shape
-            for name, site in poutine.trace(model).get_trace(*args, **kwargs).nodes.items()
-            if site["type"] == "sample" and _is_latent(site)
+        ]
+        for name, site in sites:
+            log_prob = site["log_prob"]
+            size = log_prob.shape[0] if log_prob.dim() == max_plate_nesting else 1
+            if log_prob.dim() > max_plate_nesting or size not in (1, num_draws):
+                alone_shape = _batch_shape(alone.nodes[name]) if name in alone.nodes else None
+                expected = (
+                    None
+                    if alone_shape is None
+                    else _expected_batch_shape(alone_shape, num_draws, max_plate_nesting)
+                )
+                raise VectorizationError(
+                    f"The model is not safe under a vectorised particle plate: with "
+                    f"{num_draws} draws together (plate at dim {dim}) site '{name}' has "
+                    f"batch shape {_batch_shape(site)}"
+                    + (f" where {expected} was expected" if expected is not None else "")
+                    + f" (alone: {alone_shape}), so the draws are not along dim {dim} and "
+                    "particles are being mixed. "
+                    f"{_shapes_text(names, alone, model_trace, num_draws)}. "
+                    f"{_VECTORIZATION_FIX}"
+                )
+        vectorized = {
+            name: particle_sum(site["log_prob"], num_draws, max_plate_nesting)
+            for name, site in sites
         }
         subsamples = {
             name: site["value"]
@@ -243,29 +388,62 @@ def check_vectorized_log_joint(
                 value = site["value"]
                 axis = value.dim() - site["fn"].event_dim - max_plate_nesting
                 moved = value.movedim(max(axis, 0), 0)
-                data[name] = moved[i if moved.shape[0] > 1 else 0].reshape(shape)
+                try:
+                    data[name] = moved[i if moved.shape[0] > 1 else 0].reshape(shape)
+                except RuntimeError as e:
+                    raise VectorizationError(
+                        f"The model is not safe under a vectorised particle plate: latent site "
+                        f"'{name}' has value shape {_shape(value)} with {num_draws} draws "
+                        f"together (plate at dim {dim}) but {tuple(shape)} alone, so one "
+                        f"draw cannot be read off dim {dim}. {_VECTORIZATION_FIX}"
+                    ) from e
             single = poutine.trace(poutine.condition(model, data=data)).get_trace(*args, **kwargs)
             single.compute_log_prob()
-            expected = sum(
-                site["log_prob_sum"]
-                for site in single.nodes.values()
-                if site["type"] == "sample" and not site_is_subsample(site)
-            )
-            got = vectorized[i]
-            if not math.isclose(
-                got.item(), expected.item(), rel_tol=rtol, abs_tol=rtol * (1 + abs(expected.item()))
-            ):
-                raise VectorizationError(
-                    "The model is not safe under a vectorised particle plate: for the same "
-                    f"latent draw its log-joint is {expected.item():.6g} when evaluated alone "
-                    f"but {got.item():.6g} when {num_draws} draws are evaluated together, so "
-                    "particles are being mixed and the fitted posterior would be wrong. "
-                    "Write the model so that latent values may carry extra leading batch "
-                    "dims: e.g. `(x * beta).sum(-1)` instead of `beta @ x.T` or "
-                    "`torch.dot`, `.sum(-1)` instead of `.sum()`, no `.squeeze()`; or build "
-                    "BNNs with pyro_implicit.bnn. Pass check_vectorization=False to the "
-                    "loss to skip this check."
-                )
+            for name, site in sites:
+                if name not in single.nodes:
+                    continue
+                expected = single.nodes[name]["log_prob_sum"].item()
+                got = vectorized[name][i].item()
+                if not math.isfinite(expected):
+                    raise ValueError(
+                        f"the log-density of site '{name}' is {expected} for a draw of the "
+                        f"latents evaluated on its own (not a vectorisation problem): the "
+                        "model's density is not finite at "
+                        + ", ".join(f"'{n}' = {_short(data[n])}" for n in shapes if n in data)
+                        + ". Check the data and the model's parameters (a scale of 0, a "
+                        "log of a negative number, an exp that overflows)."
+                    )
+                tol = rtol * (1 + abs(expected))
+                if not math.isclose(got, expected, rel_tol=rtol, abs_tol=tol):
+                    alone_shape = _batch_shape(single.nodes[name])
+                    expected_shape = _expected_batch_shape(
+                        alone_shape, num_draws, max_plate_nesting
+                    )
+                    raise VectorizationError(
+                        "The model is not safe under a vectorised particle plate: at site "
+                        f"'{name}' the log-density of the same latent draw is "
+                        f"{expected:.6g} when evaluated alone but {got:.6g} when "
+                        f"{num_draws} draws are evaluated together (plate at dim {dim}), "
+                        "so particles are being mixed and the fitted posterior would be "
+                        f"wrong. Site '{name}' has batch shape {alone_shape} alone and "
+                        f"{_batch_shape(site)} together"
+                        + (
+                            f" (expected {expected_shape}: the draws along dim {dim})"
+                            if expected_shape is not None
+                            else ""
+                        )
+                        + f"; {_shapes_text(names, single, model_trace, num_draws)}. "
+                        f"{_VECTORIZATION_FIX}"
+                    )
+
+
+def _short(t):
+    """A tensor in a few characters, for error messages."""
+    if not torch.is_tensor(t) or t.numel() == 1:
+        return f"{float(t):.4g}"
+    flat = t.reshape(-1)
+    head = ", ".join(f"{v:.3g}" for v in flat[:3].tolist())
+    return f"[{head}{', ...' if flat.numel() > 3 else ''}] (shape {tuple(t.shape)})"
 
 
 class ImplicitELBO(ELBO):
@@ -304,8 +482,14 @@ class ImplicitELBO(ELBO):
             vectorize_particles=True,
             retain_graph=retain_graph,
         )
+        if num_particles == 1 and self.max_plate_nesting != float("inf"):
+            # Pyro's ELBO adds the particle plate's dim only for several particles, but
+            # these losses always draw under it: without this it would collide with the
+            # model's outermost plate
+            self.max_plate_nesting += 1
         self.check_vectorization = check_vectorization
         self._checked = set()  # ids of (model, guide) pairs already checked
+        self._num_evaluations = 0  # loss evaluations so far (for divergence messages)
         self.diagnostics = {}
 
     # ------------------------------------------------------------------ traces
@@ -331,10 +515,12 @@ class ImplicitELBO(ELBO):
         return pyro.plate("num_particles_vectorized", self.num_particles, dim=dim)(fn)
 
     def _get_trace(self, model, guide, args, kwargs):
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
-            *args, **kwargs
+        guide_trace = self._run_traced(guide, args, kwargs, "the guide")
+        model_trace = self._run_traced(
+            poutine.replay(model, trace=guide_trace), args, kwargs, "the model", guide_trace
         )
+        # before Pyro's own check, which only warns: an uncovered site is a wrong answer
+        check_guide_covers_model(model_trace, guide_trace, type(self).__name__)
         if is_validation_enabled():
             check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
         guide_trace = prune_subsample_sites(guide_trace)
@@ -349,7 +535,30 @@ class ImplicitELBO(ELBO):
             for site in model_trace.nodes.values():
                 if site["type"] == "sample":
                     check_site_shape(site, self.max_plate_nesting)
+        self._last_traces = (model_trace, guide_trace)
         return model_trace, guide_trace
+
+    def _run_traced(self, fn, args, kwargs, what, guide_trace=None):
+        """Trace ``fn``; a ``ValueError`` raised at non-finite draws (Pyro's validation of
+        a Delta or a distribution parameter) or, after the first step, at draws the fit
+        has moved to, becomes a :class:`DivergenceError` naming the sites."""
+        tracer = poutine.trace(fn)
+        try:
+            return tracer.get_trace(*args, **kwargs)
+        except ValueError as e:
+            partial = tracer.msngr.trace
+            draws = guide_trace if guide_trace is not None else partial
+            bad = _nonfinite_sites(draws)
+            if not bad and not (self._num_evaluations > 0 and "Expected parameter" in str(e)):
+                raise
+            first_line = str(e).strip().splitlines()[0]
+            reached = [n for n, site in partial.nodes.items() if site["type"] == "sample"]
+            where = f" after site '{reached[-1]}'" if reached else ""
+            raise DivergenceError(
+                f"{type(self).__name__}: {what} failed{where} on step "
+                f"{self._num_evaluations + 1} ({type(e).__name__}: {first_line}). "
+                f"{_draws_summary(draws)} The fit has diverged. {DIVERGENCE_ADVICE}"
+            ) from e
 
     def _check_guide(self, guide_trace):
         """Reject guides that are not reparameterised or lack the needed capability."""
@@ -426,20 +635,181 @@ class ImplicitELBO(ELBO):
         """Return ``(loss, surrogate_loss)`` tensors; subclasses implement."""
         raise NotImplementedError
 
+    #: largest magnitude of an unconstrained draw before a fit counts as diverged (far
+    #: beyond any posterior in sensible units; ``None`` disables the check)
+    max_abs_draw = 1e12
+
+    def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
+        """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
+        loss is not finite or a draw has exploded (implemented once for every loss)."""
+        loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
+        self._check_divergence(loss)
+        self._num_evaluations += 1
+        return loss, surrogate
+
+    def _check_divergence(self, loss):
+        traces = getattr(self, "_last_traces", None)
+        value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+        if math.isfinite(value) and traces is None:
+            return
+        model_trace, guide_trace = traces if traces is not None else (None, None)
+        big = _exploded_sites(guide_trace, self.max_abs_draw) if traces is not None else {}
+        if math.isfinite(value) and not big:
+            return
+        what = (
+            f"the loss is {value}"
+            if not math.isfinite(value)
+            else "the draws have exploded ("
+            + ", ".join(f"'{n}' up to {m:.3g}" for n, m in big.items())
+            + f" in unconstrained space, beyond max_abs_draw={self.max_abs_draw:g})"
+        )
+        detail = _draws_summary(guide_trace) if guide_trace is not None else ""
+        site = _first_nonfinite_log_prob(model_trace) if model_trace is not None else None
+        if site is not None:
+            detail = f"The log-density of site '{site}' is not finite. " + detail
+        raise DivergenceError(
+            f"{type(self).__name__}: {what} on step {self._num_evaluations + 1}. {detail} "
+            f"The fit has diverged. {DIVERGENCE_ADVICE}"
+        )
+
     def loss(self, model, guide, *args, **kwargs):
         """The loss value as a float (see the subclass for what it estimates)."""
         with torch.no_grad():
-            loss, _ = self._loss_and_surrogate(model, guide, args, kwargs)
+            loss, _ = self._checked_loss_and_surrogate(model, guide, args, kwargs)
         return loss.item()
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """A tensor whose value is :meth:`loss` and whose gradient is the estimator's."""
-        loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
+        loss, surrogate = self._checked_loss_and_surrogate(model, guide, args, kwargs)
         return loss.detach() + (surrogate - surrogate.detach())
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """Back-propagate the surrogate and return the loss value as a float."""
-        loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
+        loss, surrogate = self._checked_loss_and_surrogate(model, guide, args, kwargs)
         if surrogate.requires_grad:
             surrogate.backward(retain_graph=self.retain_graph)
         return loss.item()
+
+
+def check_guide_covers_model(model_trace, guide_trace, who="this loss"):
+    """Refuse a guide that leaves a latent site of the model out.
+
+    The model then draws that site from its prior on every step (Pyro only warns), and
+    any loss fits the other sites against random values of it: a wrong posterior without
+    an error. Typical cause: an ``AutoGuideList`` whose parts do not cover every site
+    (e.g. after hiding a discrete site, as Pyro's advice on discrete latents suggests).
+
+    :raises ValueError: naming the uncovered sites and the fix.
+    """
+    missing = [
+        name
+        for name, site in model_trace.nodes.items()
+        if _is_latent(site) and name not in guide_trace.nodes
+    ]
+    if not missing:
+        return
+    discrete = [
+        name
+        for name in missing
+        if getattr(model_trace.nodes[name]["fn"], "has_enumerate_support", False)
+    ]
+    hint = (
+        f" {discrete} are discrete: marginalise them out of the model (pyro_implicit "
+        "needs continuous latent sites)."
+        if discrete
+        else ""
+    )
+    raise ValueError(
+        f"{who}: the guide does not cover the latent site(s) {missing} of the model, so the "
+        "model would draw them from its prior on every step and the fit of the other sites "
+        "would be wrong. Give every latent site a guide: build one guide over the whole "
+        "model, or append a guide for them to the AutoGuideList (e.g. "
+        f"AutoNormal(poutine.block(model, expose={missing})))." + hint
+    )
+
+
+def _site_slices(guide_trace):
+    """``[(site name, slice of the packed latent, packed value)]`` of the implicit
+    guides in a trace."""
+    out = []
+    for site in guide_trace.nodes.values():
+        if site["type"] != "sample":
+            continue
+        info = implicit_site_info(site)
+        if info is None:
+            continue
+        shapes = getattr(info["guide"], "_unconstrained_shapes", None) or {}
+        start = 0
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            out.append((name, slice(start, start + size), site["value"]))
+            start += size
+    return out
+
+
+def _nonfinite_sites(trace):
+    """Names of the sample sites of ``trace`` holding NaN or infinite values."""
+    bad = []
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"]:
+            continue
+        value = site["value"]
+        if torch.is_tensor(value) and value.is_floating_point():
+            if not torch.isfinite(value).all():
+                bad.append(name)
+    return bad
+
+
+def _exploded_sites(guide_trace, limit):
+    """``{model site: largest |u|}`` of the implicit guides' draws beyond ``limit`` (or
+    not finite)."""
+    if limit is None or guide_trace is None:
+        return {}
+    found = {}
+    for name, sl, value in _site_slices(guide_trace):
+        part = value.detach()[..., sl]
+        if part.numel() == 0:
+            continue
+        top = part.abs().max().item()
+        if not top <= limit:
+            found[name] = top
+    return found
+
+
+def _draws_summary(trace):
+    """One sentence on the largest draws per site (unconstrained for implicit guides)."""
+    if trace is None:
+        return ""
+    parts = []
+    slices = _site_slices(trace)
+    if slices:
+        for name, sl, value in slices:
+            part = value.detach()[..., sl]
+            if part.numel():
+                finite = bool(torch.isfinite(part).all())
+                top = part.abs().max().item()
+                parts.append(f"'{name}' {top:.3g}" + ("" if finite else " (not finite)"))
+        label = "largest |draw| per site, unconstrained: "
+    else:
+        for name, site in trace.nodes.items():
+            value = site.get("value")
+            if site["type"] != "sample" or site["is_observed"] or not torch.is_tensor(value):
+                continue
+            if value.is_floating_point() and value.numel():
+                finite = bool(torch.isfinite(value).all())
+                parts.append(
+                    f"'{name}' {value.detach().abs().max().item():.3g}"
+                    + ("" if finite else " (not finite)")
+                )
+        label = "largest |draw| per site: "
+    return ("The guide's " + label + ", ".join(parts) + ".") if parts else ""
+
+
+def _first_nonfinite_log_prob(model_trace):
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or "log_prob" not in site:
+            continue
+        lp = site["log_prob"]
+        if torch.is_tensor(lp) and not torch.isfinite(lp).all():
+            return name
+    return None

@@ -295,7 +295,9 @@ class _FunctionalGradientELBO(ImplicitELBO):
         with torch.no_grad():
             model_trace, guide_trace = self._traces(model, guide, args, kwargs)
             self._implicit_site(model_trace, guide_trace)
-            return -self._log_target(model_trace, guide_trace).mean().item()
+            loss = -self._log_target(model_trace, guide_trace).mean()
+            self._check_divergence(loss)
+            return loss.item()
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)

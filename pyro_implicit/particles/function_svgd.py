@@ -157,6 +157,8 @@ class FunctionSpaceSVGD(ParticleInference):
     :param aux_sites: names of latent sites updated per particle instead of through the
         function space; ``None`` finds the sites that do not feed the function.
     :param init_particles: see :class:`~pyro_implicit.particles.ParticleInference`.
+    :param bool check_vectorization: check on the first step that the model is safe under
+        the particle plate (see :class:`~pyro_implicit.particles.ParticleInference`).
     """
 
     def __init__(
@@ -178,9 +180,17 @@ class FunctionSpaceSVGD(ParticleInference):
         call_at=None,
         aux_sites=None,
         init_particles=None,
+        check_vectorization=True,
     ):
         super().__init__(
-            model, optim, num_particles, max_plate_nesting, kernel, method, init_particles
+            model,
+            optim,
+            num_particles,
+            max_plate_nesting,
+            kernel,
+            method,
+            init_particles,
+            check_vectorization=check_vectorization,
         )
         if not isinstance(function_site, str):
             raise TypeError(f"function_site must be a site name, got {function_site!r}")

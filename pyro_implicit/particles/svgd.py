@@ -36,6 +36,7 @@ length scale 1.00, 1.00, 0.98, 0.95-0.97 (``benchmarks/results/svgd_bandwidth.md
 """
 
 import collections
+import math
 
 import pyro
 import pyro.poutine as poutine
@@ -48,7 +49,12 @@ from pyro.optim import PyroOptim
 from pyro.poutine.util import site_is_subsample
 from pyro.util import check_site_shape
 
-from ..elbo.base import particle_sum
+from ..elbo.base import (
+    DIVERGENCE_ADVICE,
+    DivergenceError,
+    check_vectorized_log_joint,
+    particle_sum,
+)
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
 from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
 
@@ -218,6 +224,16 @@ class ParticleInference:
         posterior has unit scale: SVGD with the constant matrix-valued kernel
         :math:`L k(z, z') L^\top`, Wang et al. 2019); or a
         :class:`~pyro_implicit.latent.Preconditioner`.
+    :param bool check_vectorization: on the first step, check that the model gives each
+        particle the same log-density under the particle plate as alone
+        (:func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`, as the losses do),
+        so that a model that mixes particles raises instead of giving a wrong posterior.
+
+    Parameters of the model itself (``pyro.param`` calls in the model) are trained along
+    with the particles by the same optimiser, on the gradient of the particles' mean
+    log-joint :math:`\\frac1N \\sum_i \\nabla_\\theta \\log p_\\theta(x, z_i)` (the
+    gradient of the ELBO of the particle approximation with respect to :math:`\\theta`;
+    ``pyro.infer.SVGD`` trains them on the sum, N times that).
     """
 
     #: name of the particle plate
@@ -233,6 +249,7 @@ class ParticleInference:
         method="svgd",
         init_particles=None,
         precondition=False,
+        check_vectorization=True,
     ):
         if not callable(model):
             raise TypeError("model must be a callable Pyro model")
@@ -266,6 +283,9 @@ class ParticleInference:
         self.method = method
         self._init_particles = init_particles
         self._precondition = precondition
+        self.check_vectorization = bool(check_vectorization)
+        #: names of the model's own ``pyro.param`` sites (read on the first step)
+        self.param_names = ()
         #: the ``(N, D)`` particles (a leaf tensor), after the first step: the packed
         #: unconstrained latents, or their whitened coordinates ``z`` with a preconditioner
         #: (:meth:`unconstrained_particles` gives ``u = m + L z``)
@@ -310,24 +330,31 @@ class ParticleInference:
         self._sites = self.space.sites
         self.latent_dim = self.space.latent_dim
         dtype = self.space.dtype
+        init_loc = proto._init_loc().detach()
+        # before the preconditioner's search, which would run on a model that mixes
+        # particles too
+        self._check_vectorized(args, kwargs, init_loc)
         if self._precondition is not False and self._precondition is not None:
-            init_loc = proto._init_loc().detach()
             with poutine.block():
                 self.preconditioner = resolve_precondition(
                     self._precondition, self.space, init_loc, args, kwargs
                 )
         init = self._initial_particles(args, kwargs, dtype)
         self.particles = init.detach().clone().requires_grad_(True)
+        self.param_names = tuple(
+            name for name, site in proto.prototype_trace.nodes.items() if site["type"] == "param"
+        )
         if not isinstance(self.optim, PyroOptim):
-            self._torch_optim = self.optim([self.particles])
+            self._torch_optim = self.optim([self.particles] + self.model_parameters())
 
     def _initial_particles(self, args, kwargs, dtype):
         """The optimised tensor's start: whitened when there is a preconditioner."""
         pre = self.preconditioner
         if self._init_particles is None and not pre.is_identity:
             # the preconditioner's Gaussian: z ~ N(0, I)
-            return torch.randn(self.num_particles, self.latent_dim, dtype=pre.loc.dtype,
-                               device=pre.loc.device)
+            return torch.randn(
+                self.num_particles, self.latent_dim, dtype=pre.loc.dtype, device=pre.loc.device
+            )
         return pre.whiten(self._initial_unconstrained(args, kwargs, dtype))
 
     def _initial_unconstrained(self, args, kwargs, dtype):
@@ -420,14 +447,67 @@ class ParticleInference:
         ]
 
     # ------------------------------------------------------------------ updates
-    def _apply(self, direction):
-        """One optimiser step along the ascent ``direction`` (grads = -direction)."""
+    def model_parameters(self):
+        """The unconstrained tensors of the model's own ``pyro.param`` sites (from Pyro's
+        parameter store), which the particle method trains with the particles."""
+        store = pyro.get_param_store()
+        return [store.get_param(name).unconstrained() for name in self.param_names]
+
+    def _apply(self, direction, param_grads=None):
+        """One optimiser step along the ascent ``direction`` (grads = -direction), and of
+        the model's parameters along ``param_grads`` (gradients of the loss, i.e. minus
+        the mean log-joint, in :meth:`model_parameters` order)."""
+        if not torch.isfinite(direction).all():
+            bad = sorted(
+                {
+                    s.name
+                    for s in self._sites
+                    if not torch.isfinite(direction[:, s.start : s.stop]).all()
+                }
+            )
+            raise DivergenceError(
+                f"{type(self).__name__}: the update direction of site(s) {bad} is not finite "
+                "(the model's log-density or its gradient is not finite at some particles). "
+                f"The particles have diverged. {DIVERGENCE_ADVICE}"
+            )
         self.particles.grad = -direction.detach().to(self.particles.dtype)
+        params = []
+        for p, g in zip(self.model_parameters(), param_grads or (), strict=False):
+            if g is not None:
+                p.grad = g.detach().to(p.dtype)
+                params.append(p)
         if self._torch_optim is not None:
             self._torch_optim.step()
         else:
-            self.optim([self.particles])
+            self.optim([self.particles] + params)
         self.particles.grad = None
+        for p in params:
+            p.grad = None
+
+    def _check_vectorized(self, args, kwargs, init_loc, num_draws=3):
+        """The losses' vectorisation check (:func:`~pyro_implicit.elbo.base.
+        check_vectorized_log_joint`) on a few draws around the initial location, before
+        any search or step, leaving the random streams as they were."""
+        if not self.check_vectorization:
+            return
+        rng = pyro.util.get_rng_state()
+        try:
+            with torch.no_grad():
+                noise = torch.randn(
+                    num_draws, init_loc.shape[-1], dtype=init_loc.dtype, device=init_loc.device
+                )
+                values = self.space.unpack(init_loc + 0.1 * noise)
+            check_vectorized_log_joint(
+                self.model,
+                None,
+                args,
+                kwargs,
+                self.max_plate_nesting + 1,
+                num_draws=num_draws,
+                values=values,
+            )
+        finally:
+            pyro.util.set_rng_state(rng)
 
     @staticmethod
     def _norm(t):
@@ -515,10 +595,18 @@ class WeightSpaceSVGD(ParticleInference):
         method="svgd",
         init_particles=None,
         precondition=True,
+        check_vectorization=True,
     ):
         super().__init__(
-            model, optim, num_particles, max_plate_nesting, kernel, method, init_particles,
+            model,
+            optim,
+            num_particles,
+            max_plate_nesting,
+            kernel,
+            method,
+            init_particles,
             precondition,
+            check_vectorization,
         )
 
     def step(self, *args, **kwargs):
@@ -540,9 +628,20 @@ class WeightSpaceSVGD(ParticleInference):
                 self._check_shapes(self._trace(values, args, kwargs))
             # one minibatch estimate when the model subsamples: SVGD is stochastic
             log_joint = self.space.log_density(u, args, kwargs, full_data=False)
-            (score,) = torch.autograd.grad(log_joint.sum(), self.particles)
+            params = self.model_parameters()
+            score, *param_grads = torch.autograd.grad(
+                log_joint.sum(), [self.particles] + params, allow_unused=True
+            )
+        if not math.isfinite(log_joint.detach().sum().item()):
+            bad = torch.nonzero(~torch.isfinite(log_joint.detach())).flatten().tolist()
+            raise DivergenceError(
+                f"{type(self).__name__}: the log-joint of particle(s) {bad[:10]} is not "
+                f"finite. {DIVERGENCE_ADVICE}"
+            )
         d = stein_direction(self.particles, score, self.kernel, self.method)
-        self._apply(d.direction)
+        # the model's parameters descend minus the particles' mean log-joint
+        n = self.num_particles
+        self._apply(d.direction, [None if g is None else -g / n for g in param_grads])
         return {
             "attractive": self._norm(d.drive),
             "repulsive": self._norm(d.repulsion),
