@@ -34,6 +34,10 @@ and ``python -m pyro_implicit compare --model my_model.py:model``. The file is r
 latent sites only (NUTS is the reference) and broadcast over an outer sample plate.
 
 ``--methods all`` runs every method of :data:`~pyro_implicit.diagnostics.compare.METHODS`.
+Every row carries the checks that need no NUTS: the kernel Stein discrepancy of its
+draws (NUTS's row too, as the yardstick) and, for guides with a log-density, PSIS k-hat;
+``--no-nuts`` skips NUTS (for models where it is too slow) and reports those alone, and
+``--no-diagnostics`` leaves them out.
 ``--smoke`` caps every count to a tiny run (for tests). The table goes to stdout,
 progress to stderr. ``--report DIR`` also writes ``comparison.json`` (every number, loss
 traces included), ``table.md``, ``loo.csv`` (``az.compare`` of the ArviZ exports),
@@ -56,6 +60,7 @@ from pyro import poutine
 
 from . import __version__
 from .diagnostics.compare import METHODS, compare, guess_max_plate_nesting
+from .diagnostics.importance import K_HAT_THRESHOLD, UnreliableFitWarning
 from .diagnostics.nuts import check_continuous_latents
 from .models import BUILTIN_MODELS, BuiltinModel, load_model
 
@@ -149,6 +154,12 @@ def build_parser():
                    help="fit the library's methods in the raw unconstrained space (the "
                    "papers' setting) instead of their automatic preconditioner's "
                    "whitened coordinates")
+    p.add_argument("--no-nuts", dest="nuts", action="store_false",
+                   help="run no NUTS reference (for models where it is too slow): the table "
+                   "then shows the Stein discrepancy (KSD) and PSIS k-hat only")
+    p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                   help="leave out the KSD and k-hat columns (they cost a model run per "
+                   "row, and k-hat 1000 guide draws)")
     p.add_argument("--nuts-samples", type=_int_at_least(4), default=DEFAULTS["nuts_samples"],
                    help="NUTS draws per chain, at least 4 (default %(default)s)")
     p.add_argument("--nuts-warmup", type=_int_at_least(0), default=DEFAULTS["nuts_warmup"],
@@ -301,6 +312,8 @@ def _check_plot_sites(spec, coords):
 
 def _header(args, spec):
     width = max(len(m) for m in args.methods)
+    reference = (f"NUTS {args.nuts_chains} chain(s) x {args.nuts_samples} draws after "
+                 f"{args.nuts_warmup} warmup" if args.nuts else "no NUTS reference")
     lines = [
         f"pyro_implicit {__version__}: posterior approximations compared with NUTS",
         f"model:    {spec.name}: {spec.description}",
@@ -309,8 +322,7 @@ def _header(args, spec):
         ),
         f"settings: {args.steps} steps per method (ClippedAdam, lr decayed 10x over the "
         f"run), {args.samples} posterior draws per guide;",
-        f"{'':10}NUTS {args.nuts_chains} chain(s) x {args.nuts_samples} draws after "
-        f"{args.nuts_warmup} warmup; seed {args.seed}; {args.dtype}; "
+        f"{'':10}{reference}; seed {args.seed}; {args.dtype}; "
         f"{args.threads} thread(s)" + ("; SMOKE RUN" if args.smoke else ""),
     ]
     return "\n".join(lines)
@@ -389,14 +401,15 @@ def write_report(folder, result, spec, mpn, args, header, total):
     written.append(path)
     coords = args.plot_sites.split(",") if args.plot_sites else None
     for name, r in result.methods.items():
-        save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
-                       seed=args.seed), f"pairs_{name}.png")
+        if result.has_reference:  # pair plots overlay NUTS
+            save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
+                           seed=args.seed), f"pairs_{name}.png")
     if any(r.losses for r in result.methods.values()):
         save(loss_curves(result), "losses.png")
     from .bnn import BNNRegression
 
     bnn = (spec.extras or {}).get("bnn")
-    if isinstance(bnn, BNNRegression) and "x_test" in spec.extras:
+    if isinstance(bnn, BNNRegression) and "x_test" in spec.extras and result.has_reference:
         draws = {n: r.samples for n, r in result.methods.items()}
         save(regression_predictive_plot(bnn, spec.extras["x_test"], draws, result.nuts.samples,
                                         y=spec.extras.get("y_test"), max_plate_nesting=mpn,
@@ -440,27 +453,18 @@ def main(argv=None):
         header = _header(args, spec)
         print(header, flush=True)
         start = time.perf_counter()
-        result = compare(
-            spec.model,
-            *spec.args,
-            methods=args.methods,
-            num_steps=args.steps,
-            num_samples=args.samples,
-            nuts_kwargs={
-                "num_samples": args.nuts_samples,
-                "warmup_steps": args.nuts_warmup,
-                "num_chains": args.nuts_chains,
-            },
-            seed=args.seed,
-            max_plate_nesting=mpn,
-            progress=not args.quiet,
-            lr=args.lr,
-            precondition=args.precondition,
-            **spec.kwargs,
-        )
+        with warnings.catch_warnings():
+            # said once below the table, in the table's words
+            warnings.simplefilter("ignore", UnreliableFitWarning)
+            result = _compare(args, spec, mpn)
         total = time.perf_counter() - start
         print()
         print(result.to_markdown() if args.markdown else result.table())
+        unreliable = [f"{r['method']} ({r['k_hat']:.2f})" for r in result.rows()
+                      if r["k_hat"] > K_HAT_THRESHOLD]
+        if unreliable:
+            print(f"note: PSIS k-hat > {K_HAT_THRESHOLD} for {', '.join(unreliable)}: "
+                  "importance weights cannot correct these guides; read their rows with care")
         print(f"total {total:.1f} s", flush=True)
         if args.report:
             written = write_report(args.report, result, spec, mpn, args, header, total)
@@ -469,6 +473,30 @@ def main(argv=None):
     finally:
         torch.set_default_dtype(old_dtype)
     return 0
+
+
+def _compare(args, spec, mpn):
+    """:func:`compare` with the command line's settings."""
+    return compare(
+        spec.model,
+        *spec.args,
+        methods=args.methods,
+        num_steps=args.steps,
+        num_samples=args.samples,
+        nuts_kwargs={
+            "num_samples": args.nuts_samples,
+            "warmup_steps": args.nuts_warmup,
+            "num_chains": args.nuts_chains,
+        },
+        seed=args.seed,
+        max_plate_nesting=mpn,
+        progress=not args.quiet,
+        lr=args.lr,
+        precondition=args.precondition,
+        nuts=None if args.nuts else False,
+        diagnostics=args.diagnostics,
+        **spec.kwargs,
+    )
 
 
 if __name__ == "__main__":

@@ -159,6 +159,22 @@ def test_mcmc_object_and_guide_sources(data):
     assert (again.posterior["loc"].values == idata.posterior["loc"].values).all()
 
 
+def test_exports_carry_the_checks_that_need_no_nuts(comparison, exports, data):
+    for name in ("autonormal", "wsvgd", "nuts"):
+        attrs = exports[name].posterior.attrs
+        expected = (comparison.nuts_ksd if name == "nuts"
+                    else comparison.methods[name].ksd)
+        assert attrs["ksd"] == expected.ksd and attrs["ksd_noise_level"] > 0
+    assert exports["autonormal"].posterior.attrs["pareto_k"] == (
+        comparison.methods["autonormal"].k_hat)
+    assert "pareto_k" not in exports["wsvgd"].posterior.attrs  # particles: no density
+    guide = comparison.methods["autonormal"].approximation
+    idata = to_inference_data(vector_model, data, source=guide, num_samples=200, seed=0,
+                              max_plate_nesting=1, diagnostics=True)
+    attrs = idata.posterior.attrs
+    assert math.isfinite(attrs["ksd"]) and math.isfinite(attrs["pareto_k"])
+
+
 def test_predictive_samples_at_new_inputs():
     def regression(x, y=None):
         w = pyro.sample("w", dist.Normal(0.0, 1.0))

@@ -79,7 +79,27 @@ def test_default_job_smoke_prints_table(capsys):
     for name in DEFAULT_METHODS + ["nuts"]:
         assert any(line.startswith(name + " ") for line in table.splitlines()), name
     assert "NUTS: 1 chain(s) x 20 draws" in out
+    # ten steps leave Pyro's guides rough: said once, under the table, not as a warning
+    assert "note: PSIS k-hat > 0.7 for" in out
     assert torch.get_default_dtype() == dtype  # main restores it
+
+
+def test_no_nuts_reports_ksd_and_k_hat(user_file, tmp_path, capsys):
+    """--no-nuts: no reference run; the table has the KSD and k-hat columns only, the
+    report its JSON without NUTS and no pair plots (they overlay NUTS)."""
+    report = tmp_path / "report"
+    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,implicit",
+            "--smoke", "--quiet", "--no-nuts", "--report", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no NUTS reference" in out and "No NUTS reference" in out
+    header = out[out.index("method  "):].splitlines()[0].split()
+    assert header[:3] == ["method", "KSD", "k-hat"]
+    data = json.loads((report / "comparison.json").read_text())
+    assert data["nuts"] is None and [r["method"] for r in data["rows"]] == [
+        "autonormal", "implicit"]
+    assert data["methods"]["implicit"]["ksd"]["num_draws"] == SMOKE_CAPS["samples"]
+    assert not any(name.startswith("pairs_") for name in os.listdir(report))
 
 
 def test_markdown_and_options_without_subcommand(capsys):

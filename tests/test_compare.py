@@ -17,8 +17,14 @@ from pyro_implicit.diagnostics.compare import (
     compare,
     latent_shapes,
 )
+from pyro_implicit.diagnostics.importance import UnreliableFitWarning
 from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.models import BUILTIN_MODELS, load_model
+
+# fits of a few dozen steps are rough: their k-hat warning is expected (and tested below)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pyro_implicit.diagnostics.importance.UnreliableFitWarning"
+)
 
 
 def normal_normal(y):
@@ -47,9 +53,14 @@ def test_compare_structure(y, nuts, capsys):
     assert list(result.methods) == names
     rows = result.rows()
     assert [r["method"] for r in rows] == names + ["nuts"]
+    with_density = {"autonormal", "automvn"}  # k-hat only for guides with a log-density
     for row in rows:
         for key, value in row.items():
-            if key != "method" and (row["method"], key) != ("nuts", "peak_mb"):
+            if key == "method" or (row["method"], key) == ("nuts", "peak_mb"):
+                continue
+            if key == "k_hat" and row["method"] not in with_density:
+                assert math.isnan(value), row["method"]
+            else:
                 assert math.isfinite(value), (row["method"], key)
     assert math.isnan(result.nuts_peak_mb)  # a reused NUTS run is not measured
     for r in result.methods.values():
@@ -145,3 +156,44 @@ def test_every_method_runs(y, nuts):
         assert len(r.losses) == 5 and all(math.isfinite(v) for v in r.losses), name
         assert torch.isfinite(r.samples["mu"]).all(), name
         assert r.description == METHODS[name].description
+
+
+def test_compare_without_nuts_reports_ksd_and_k_hat(y):
+    """nuts=False: no reference run, and the rows carry the checks that need none; draws
+    shifted by two posterior sds score far above exact ones."""
+    exact_sd = 1 / math.sqrt(11)
+    exact = y.sum() / 11 + exact_sd * torch.randn(1000)
+    result = compare(normal_normal, y, methods={"exact": {"mu": exact},
+                                                "shifted": {"mu": exact + 2 * exact_sd},
+                                                "autonormal": "autonormal"},
+                     num_steps=20, num_samples=200, nuts=False, max_plate_nesting=1,
+                     progress=False)
+    assert result.nuts is None and not result.has_reference
+    assert [r["method"] for r in result.rows()] == ["exact", "shifted", "autonormal"]
+    ksd = {name: r.ksd for name, r in result.methods.items()}
+    assert ksd["exact"].ratio_to_noise < 1.5 < 5 < ksd["shifted"].ratio_to_noise
+    assert math.isnan(result.methods["exact"].k_hat)
+    assert math.isfinite(result.methods["autonormal"].k_hat)
+    header = result.table().splitlines()[0].split()
+    assert header[:3] == ["method", "KSD", "k-hat"] and "mean" not in header
+    assert "No NUTS reference" in result.table()
+    assert result.site_rows() == [] and result.to_dict()["nuts"] is None
+    assert result.to_dict()["methods"]["shifted"]["ksd"]["ksd"] == ksd["shifted"].ksd
+
+
+def test_compare_warns_once_for_unreliable_guides(y, nuts):
+    with pytest.warns(UnreliableFitWarning, match="autonormal") as record:
+        result = compare(normal_normal, y, methods=["autonormal"], num_steps=3,
+                         num_samples=100, nuts=nuts, max_plate_nesting=1, progress=False,
+                         lr=1e-3)
+    assert result.methods["autonormal"].k_hat > 0.7
+    assert len([w for w in record if w.category is UnreliableFitWarning]) == 1
+    # NUTS's own draws are the yardstick of the KSD column
+    assert result.nuts_ksd.ksd < result.methods["autonormal"].ksd.ksd
+
+
+def test_compare_diagnostics_can_be_switched_off(y, nuts):
+    result = compare(normal_normal, y, methods=["autonormal"], num_steps=3, num_samples=100,
+                     nuts=nuts, max_plate_nesting=1, progress=False, diagnostics=False)
+    assert result.methods["autonormal"].ksd is None and result.nuts_ksd is None
+    assert math.isnan(result.rows()[0]["ksd"])

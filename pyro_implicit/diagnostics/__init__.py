@@ -21,6 +21,7 @@ from .compare import METHODS, ComparisonResult, MethodResult, compare
 from .draws import posterior_draws
 from .importance import (
     ImportanceResult,
+    UnreliableFitWarning,
     UnreliableWeightsError,
     importance_refine,
     importance_weights,
@@ -39,6 +40,7 @@ __all__ = [
     "NUTSResult",
     "PeakMemory",
     "SteinDiscrepancy",
+    "UnreliableFitWarning",
     "UnreliableWeightsError",
     "compare",
     "compare_samples",

@@ -49,6 +49,7 @@ from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import site_is_subsample
 
 from .. import __version__
+from ..latent import Preconditioner
 from .compare import (
     ComparisonResult,
     MethodResult,
@@ -56,7 +57,9 @@ from .compare import (
     latent_shapes,
     posterior_draws,
 )
+from .importance import has_log_density, psis_diagnostic
 from .nuts import NUTSResult
+from .stein import stein_discrepancy
 
 __all__ = [
     "arviz_major_version",
@@ -295,7 +298,8 @@ def _draws_of(source, model, args, kwargs, num_samples, mpn, shapes):
         indices = source.diagnostics().get("divergences", {}).values()
         return by_chain, "mcmc", None, {}, {"diverging": _diverging(by_chain, indices)}
     if isinstance(source, MethodResult):
-        attrs = {"method": source.name, "method_description": source.description}
+        attrs = {"method": source.name, "method_description": source.description,
+                 **_diagnostic_attrs(source.ksd, source.k_hat)}
         draws = {k: v for k, v in source.samples.items() if k in shapes}
         losses = source.losses or None
         if losses:
@@ -320,6 +324,7 @@ def to_inference_data(
     seed=None,
     method=None,
     attrs=None,
+    diagnostics=False,
 ):
     """An ArviZ ``InferenceData`` (``xarray.DataTree`` on ArviZ 1.x) for one fitted method
     or NUTS run.
@@ -344,6 +349,11 @@ def to_inference_data(
         current RNG state, which is then advanced).
     :param str method: a label stored in the posterior's attrs.
     :param dict attrs: more attrs for the posterior group.
+    :param bool diagnostics: add the posterior attrs ``ksd``, ``ksd_noise_level`` and
+        ``ksd_squared_unbiased`` (:func:`~pyro_implicit.diagnostics.stein_discrepancy` of
+        the exported draws, in the fit's own preconditioner coordinates) and, for a guide
+        with a log-density, ``pareto_k`` (:func:`~pyro_implicit.diagnostics.psis_diagnostic`).
+        A ``MethodResult`` of :func:`compare` carries them already.
     :return: ``arviz.InferenceData`` on ArviZ 0.x, ``xarray.DataTree`` on 1.x.
     :raises ValueError: if the model does not broadcast over the draw plate.
     """
@@ -407,6 +417,8 @@ def to_inference_data(
     if method is not None:
         post_attrs["method"] = method
     post_attrs.update(extra)
+    if diagnostics and not isinstance(source, MethodResult):
+        post_attrs.update(_diagnostics_of(source, model, args, kwargs, flat, mpn, seed))
     post_attrs.update(attrs or {})
     groups = {"posterior": _dataset(post, post_dims, _attrs(post_attrs))}
 
@@ -489,7 +501,40 @@ def comparison_to_inference_data(result, model, args=(), kwargs=None, max_plate_
     if max_plate_nesting is None:
         max_plate_nesting = result.settings.get("max_plate_nesting")
     common = dict(max_plate_nesting=max_plate_nesting, seed=seed)
-    out = {"nuts": to_inference_data(model, args, kwargs, result.nuts, method="nuts", **common)}
+    out = {}
+    if result.nuts is not None:
+        attrs = {} if result.nuts_ksd is None else _diagnostic_attrs(result.nuts_ksd)
+        out["nuts"] = to_inference_data(model, args, kwargs, result.nuts, method="nuts",
+                                        attrs=attrs, **common)
     for name, r in result.methods.items():
         out[name] = to_inference_data(model, args, kwargs, r, method=name, **common)
     return out
+
+
+def _diagnostics_of(source, model, args, kwargs, draws, mpn, seed):
+    """:func:`_diagnostic_attrs` computed for the exported ``draws`` of ``source``."""
+    pre = getattr(source, "preconditioner", None)
+    ksd = stein_discrepancy(model, draws, *args, max_plate_nesting=mpn,
+                            preconditioner=pre if isinstance(pre, Preconditioner) else None,
+                            **kwargs)
+    k_hat = math.nan
+    if has_log_density(source):
+        rng = pyro.util.get_rng_state()
+        try:
+            if seed is not None:
+                pyro.set_rng_seed(seed)
+            k_hat = psis_diagnostic(model, source, *args, max_plate_nesting=mpn, **kwargs)
+        finally:
+            pyro.util.set_rng_state(rng)
+    return _diagnostic_attrs(ksd, k_hat)
+
+
+def _diagnostic_attrs(ksd=None, k_hat=math.nan):
+    """Posterior attrs of the checks that need no NUTS (absent ones left out)."""
+    attrs = {}
+    if ksd is not None:
+        attrs.update(ksd=ksd.ksd, ksd_noise_level=ksd.noise_level,
+                     ksd_squared_unbiased=ksd.ksd_squared_unbiased)
+    if math.isfinite(k_hat):
+        attrs["pareto_k"] = k_hat
+    return attrs

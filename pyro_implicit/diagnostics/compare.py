@@ -62,6 +62,7 @@ import math
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Mapping
 
 import pyro
@@ -74,11 +75,19 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
 from ..elbo.gpvi import gpvi_generator
 from ..guides import ImplicitGuide, LinearizedGuide, SemiImplicitGuide
+from ..latent import PreconditionerWarning
 from ..particles import WeightSpaceSVGD
 from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws, source_kind
+from .importance import (
+    K_HAT_THRESHOLD,
+    UnreliableFitWarning,
+    has_log_density,
+    psis_diagnostic,
+)
 from .memory import PeakMemory
 from .metrics import compare_samples
 from .nuts import NUTSResult, check_continuous_latents, run_nuts
+from .stein import model_preconditioner, stein_discrepancy
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -239,6 +248,10 @@ class MethodResult:
     :ivar str loss_label: what ``losses`` holds.
     :ivar bool fitted_here: ``False`` for an approximation passed in already fitted.
     :ivar approximation: the fitted guide or particle object (``None`` for a dict).
+    :ivar ksd: the :class:`~pyro_implicit.diagnostics.stein.SteinDiscrepancy` of the draws
+        (``None`` with ``diagnostics=False``).
+    :ivar float k_hat: PSIS k-hat of the guide (``nan`` where it has no log-density, for
+        particles and draws, or with ``diagnostics=False``).
     """
 
     name: str
@@ -253,6 +266,8 @@ class MethodResult:
     fitted_here: bool = True
     approximation: object = dataclasses.field(default=None, repr=False)
     peak_mb: float = math.nan
+    ksd: object = None
+    k_hat: float = math.nan
 
     @property
     def num_draws(self):
@@ -265,13 +280,15 @@ class ComparisonResult:
     """Output of :func:`compare`.
 
     :ivar dict methods: name -> :class:`MethodResult`, in the order given.
-    :ivar NUTSResult nuts: the reference run.
+    :ivar NUTSResult nuts: the reference run (``None`` with ``nuts=False``).
     :ivar dict nuts_metrics: ``compare_samples`` of the first half of the NUTS draws
         against the second half (chain 1 against chain 2 for two chains): the Monte Carlo
-        noise floor of every column.
+        noise floor of every column (``None`` without NUTS).
     :ivar dict settings: the arguments the comparison ran with.
     :ivar float nuts_peak_mb: rise of memory use during the NUTS run, MiB (``nan`` for a
         reused reference).
+    :ivar nuts_ksd: the Stein discrepancy of the NUTS draws, in the same coordinates as
+        the methods': the yardstick of their KSD column (``None`` without it).
     """
 
     methods: dict
@@ -279,19 +296,27 @@ class ComparisonResult:
     nuts_metrics: dict
     settings: dict
     nuts_peak_mb: float = math.nan
+    nuts_ksd: object = None
+
+    @property
+    def has_reference(self):
+        """Whether NUTS ran (or was given): the columns that compare with it exist."""
+        return self.nuts is not None
 
     # ------------------------------------------------------------------ rows
     def rows(self):
         """One dict per row (the methods, then NUTS) with the joint summaries.
 
         :return: list of ``{"method", "mean_error_max", "sd_ratio_min", "sd_ratio_max",
-            "w1_max", "energy_distance", "correlation_error_max", "seconds", "peak_mb"}``.
+            "w1_max", "energy_distance", "correlation_error_max", "ksd", "k_hat", "seconds",
+            "peak_mb"}`` (the NUTS columns ``nan`` and no NUTS row without a reference).
         :rtype: list[dict]
         """
-        out = [_row(name, r.metrics, r.wall_time, r.peak_mb)
+        out = [_row(name, r.metrics, r.wall_time, r.peak_mb, r.ksd, r.k_hat)
                for name, r in self.methods.items()]
-        out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time,
-                        self.nuts_peak_mb))
+        if self.has_reference:
+            out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time,
+                            self.nuts_peak_mb, self.nuts_ksd, math.nan))
         return out
 
     def site_rows(self):
@@ -303,6 +328,8 @@ class ComparisonResult:
             "nuts_ess_min"}``; the NUTS rows compare its two halves.
         :rtype: list[dict]
         """
+        if not self.has_reference:
+            return []
         diag = self.nuts_diagnostics()
         out = []
         named = [(n, r.metrics) for n, r in self.methods.items()]
@@ -319,6 +346,8 @@ class ComparisonResult:
         :return: ``{site: {"r_hat_max", "ess_min"}}`` over the site's coordinates.
         :rtype: dict
         """
+        if not self.has_reference:
+            return {}
         return {
             site: {"r_hat_max": _reduce_max(d["r_hat"]), "ess_min": -_reduce_max(-d["ess"])}
             for site, d in self.nuts.diagnostics.items()
@@ -327,6 +356,9 @@ class ComparisonResult:
     # ------------------------------------------------------------------ text
     def nuts_summary(self):
         """One line on the NUTS reference: chains, draws, R-hat, ESS, divergences."""
+        if not self.has_reference:
+            return ("No NUTS reference (nuts=False): KSD and k-hat are the only checks; "
+                    "compare a fit's KSD with the others' (same coordinates).")
         nuts = self.nuts
         first = next(iter(nuts.samples_by_chain.values()))
         chains, draws = first.shape[:2]
@@ -338,8 +370,11 @@ class ComparisonResult:
             f"{nuts.num_divergences} divergences, {nuts.wall_time:.1f} s"
         )
 
+    def _header(self):
+        return _HEADER if self.has_reference else _NO_REFERENCE_HEADER
+
     def _key(self):
-        key = _KEY
+        key = (_KEY if self.has_reference else "") + _DIAGNOSTICS_KEY
         if any(not r.fitted_here for r in self.methods.values()):
             key += " *: passed in already fitted; seconds cover drawing only."
         return key
@@ -350,8 +385,9 @@ class ComparisonResult:
 
         :rtype: str
         """
-        cells = [_HEADER] + [self._format(row) for row in self.rows()]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(_HEADER))]
+        header = self._header()
+        cells = [header] + [self._format(row) for row in self.rows()]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
 
         def line(r):
             # method name left-aligned, numbers right-aligned
@@ -373,7 +409,7 @@ class ComparisonResult:
             header, rows = _SITE_HEADER, [_format_site(r) for r in self.site_rows()]
             key = _SITE_KEY
         else:
-            header, rows = _HEADER, [self._format(row) for row in self.rows()]
+            header, rows = self._header(), [self._format(row) for row in self.rows()]
             key = self._key()
         lines = ["| " + " | ".join(header) + " |",
                  "|" + "|".join(["---"] * (2 if per_site else 1)
@@ -386,6 +422,8 @@ class ComparisonResult:
 
     def _format(self, row):
         cells = _format(row)
+        if not self.has_reference:
+            cells = (cells[0],) + cells[-4:]
         r = self.methods.get(row["method"])
         if r is not None and not r.fitted_here:
             cells = cells[:-2] + (cells[-2] + "*", cells[-1])
@@ -417,8 +455,6 @@ class ComparisonResult:
             "metrics"}}, "nuts": {...}}``.
         :rtype: dict
         """
-        nuts = self.nuts
-        first = next(iter(nuts.samples_by_chain.values()))
         return {
             "settings": _plain(self.settings),
             "rows": self.rows(),
@@ -434,39 +470,56 @@ class ComparisonResult:
                     "loss_label": r.loss_label,
                     "losses": [float(x) for x in r.losses],
                     "metrics": r.metrics,
+                    "ksd": None if r.ksd is None else dataclasses.asdict(r.ksd),
+                    "k_hat": r.k_hat,
                 }
                 for name, r in self.methods.items()
             },
-            "nuts": {
-                "num_chains": int(first.shape[0]),
-                "num_samples": int(first.shape[1]),
-                "wall_time": nuts.wall_time,
-                "peak_mb": self.nuts_peak_mb,
-                "max_r_hat": nuts.max_r_hat,
-                "min_ess": nuts.min_ess,
-                "num_divergences": int(nuts.num_divergences),
-                "divergences_by_chain": list(nuts.divergences_by_chain),
-                "acceptance_rate_by_chain": list(nuts.acceptance_rate_by_chain),
-                "seeds": list(nuts.seeds),
-                "sites": {
-                    site: {"r_hat": d["r_hat"].reshape(-1).tolist(),
-                           "ess": d["ess"].reshape(-1).tolist()}
-                    for site, d in nuts.diagnostics.items()
-                },
-                "split_half_metrics": self.nuts_metrics,
+            "nuts": self._nuts_dict(),
+        }
+
+    def _nuts_dict(self):
+        nuts = self.nuts
+        if nuts is None:
+            return None
+        first = next(iter(nuts.samples_by_chain.values()))
+        return {
+            "num_chains": int(first.shape[0]),
+            "num_samples": int(first.shape[1]),
+            "wall_time": nuts.wall_time,
+            "peak_mb": self.nuts_peak_mb,
+            "max_r_hat": nuts.max_r_hat,
+            "min_ess": nuts.min_ess,
+            "num_divergences": int(nuts.num_divergences),
+            "divergences_by_chain": list(nuts.divergences_by_chain),
+            "acceptance_rate_by_chain": list(nuts.acceptance_rate_by_chain),
+            "seeds": list(nuts.seeds),
+            "sites": {
+                site: {"r_hat": d["r_hat"].reshape(-1).tolist(),
+                       "ess": d["ess"].reshape(-1).tolist()}
+                for site, d in nuts.diagnostics.items()
             },
+            "split_half_metrics": self.nuts_metrics,
+            "ksd": None if self.nuts_ksd is None else dataclasses.asdict(self.nuts_ksd),
         }
 
 
-_HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "seconds",
-           "peak MB")
+_HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "KSD", "k-hat",
+           "seconds", "peak MB")
+_NO_REFERENCE_HEADER = ("method", "KSD", "k-hat", "seconds", "peak MB")
 _KEY = (
     "mean err: max |mean - NUTS mean| / NUTS sd; sd ratio: min-max of sd / NUTS sd; "
     "W1 max: largest marginal 1-Wasserstein in NUTS sds; energy: energy distance of the "
     "standardised joint; corr err: largest correlation difference. Row 'nuts': first half "
     "of its draws against the second half (NUTS's own Monte Carlo noise; a method's row, "
     "with more draws on each side, has a lower floor). seconds: wall time of "
-    "fit and draws; peak MB: rise of the process's peak memory during them."
+    "fit and draws; peak MB: rise of the process's peak memory during them. "
+)
+_DIAGNOSTICS_KEY = (
+    "KSD: kernel Stein discrepancy of the draws (IMQ kernel, in the model's preconditioner "
+    "coordinates, the same for every row; needs no NUTS); k-hat: PSIS Pareto k of the "
+    "guide's importance weights, for guides with a log-density (above 0.7: the weights, "
+    "and often the fit, are not to be trusted)."
 )
 
 
@@ -511,8 +564,12 @@ def _plain(x):
     return repr(x)
 
 
-def _row(name, metrics, seconds, peak_mb):
-    joint = metrics["joint"]
+_NO_METRICS = dict.fromkeys(("mean_error_max", "sd_ratio_min", "sd_ratio_max", "w1_max",
+                             "energy_distance", "correlation_error_max"), math.nan)
+
+
+def _row(name, metrics, seconds, peak_mb, ksd=None, k_hat=math.nan):
+    joint = _NO_METRICS if metrics is None else metrics["joint"]
     return {
         "method": name,
         "mean_error_max": joint["mean_error_max"],
@@ -521,6 +578,8 @@ def _row(name, metrics, seconds, peak_mb):
         "w1_max": joint["w1_max"],
         "energy_distance": joint["energy_distance"],
         "correlation_error_max": joint["correlation_error_max"],
+        "ksd": math.nan if ksd is None else ksd.ksd,
+        "k_hat": k_hat,
         "seconds": seconds,
         "peak_mb": peak_mb,
     }
@@ -537,6 +596,8 @@ def _format(row):
         f(row["w1_max"]),
         f(row["energy_distance"], 3),
         f(row["correlation_error_max"]),
+        f(row["ksd"], 3),
+        f(row["k_hat"]),
         f(row["seconds"], 1),
         f(row["peak_mb"], 1),
     )
@@ -664,6 +725,7 @@ def compare(
     progress=True,
     lr=None,
     precondition=True,
+    diagnostics=True,
     **kwargs,
 ):
     """Fit each method to ``model`` (or take it fitted) and compare its posterior with NUTS.
@@ -684,7 +746,8 @@ def compare(
         particles).
     :param nuts: a reference to reuse: a :class:`~pyro_implicit.diagnostics.nuts.NUTSResult`
         or a finished ``pyro.infer.MCMC``; ``None`` runs
-        :func:`~pyro_implicit.diagnostics.nuts.run_nuts`.
+        :func:`~pyro_implicit.diagnostics.nuts.run_nuts`; ``False`` runs no NUTS (for
+        models where it is too slow): the table then has the KSD and k-hat columns only.
     :param dict nuts_kwargs: keyword arguments of ``run_nuts`` (default
         ``num_samples=500, warmup_steps=300, num_chains=2``).
     :param int seed: seed of every fit and of NUTS.
@@ -696,6 +759,13 @@ def compare(
         automatic preconditioner (default; :mod:`pyro_implicit.latent`), or, with
         ``False``, in the raw unconstrained space as the papers do. Pyro's own guides and
         ``pyro.infer.SVGD`` are unaffected.
+    :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
+        Stein discrepancy of its draws (:func:`~pyro_implicit.diagnostics.stein_discrepancy`,
+        all rows in the coordinates of the model's automatic preconditioner, NUTS's row
+        too) and, for guides with a log-density, PSIS k-hat
+        (:func:`~pyro_implicit.diagnostics.psis_diagnostic`, 1000 draws); one
+        :class:`~pyro_implicit.diagnostics.importance.UnreliableFitWarning` names the
+        guides whose k-hat exceeds 0.7.
     :param kwargs: keyword arguments of ``model``.
     :rtype: ComparisonResult
     :raises ValueError: for an unknown method name, a bad count, or a model with a
@@ -738,7 +808,11 @@ def compare(
             approximation=None if kind == "samples" else spec,
         )
 
-    if nuts is None:
+    if nuts is False:
+        ran_nuts = False
+        nuts_memory = PeakMemory()
+        nuts = None
+    elif nuts is None:
         ran_nuts = True
         _say(progress, f"NUTS: {run_kwargs['num_chains']} chain(s) x "
                        f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup")
@@ -751,7 +825,7 @@ def compare(
         nuts_memory = PeakMemory()  # not measured: peak_mb stays nan
         if not isinstance(nuts, NUTSResult):
             nuts = nuts_result_from_mcmc(nuts)
-    sites = [s for s in shapes if s in nuts.samples]
+    sites = [s for s in shapes if nuts is None or s in nuts.samples]
 
     for label, spec in specs.items():
         if not isinstance(spec, str):
@@ -780,8 +854,14 @@ def compare(
     ordered = {}
     for label in specs:
         r = results[label]
-        r.metrics = compare_samples(r.samples, nuts.samples, sites=sites)
+        r.metrics = None if nuts is None else compare_samples(r.samples, nuts.samples,
+                                                               sites=sites)
         ordered[label] = r
+    nuts_ksd = None
+    if diagnostics:
+        _say(progress, "diagnostics: kernel Stein discrepancy of every row, PSIS k-hat of "
+                       "guides with a log-density")
+        nuts_ksd = _add_diagnostics(model, args, kwargs, ordered, nuts, mpn, seed)
 
     settings = {
         "methods": {label: s if isinstance(s, str) else type(s).__name__
@@ -792,9 +872,48 @@ def compare(
         "seed": seed,
         "max_plate_nesting": mpn,
         "lr": lrs,
+        "nuts": nuts is not None,
+        "diagnostics": bool(diagnostics),
     }
-    return ComparisonResult(ordered, nuts, _split_metrics(nuts), settings,
-                            nuts_peak_mb=nuts_memory.peak_mb)
+    return ComparisonResult(ordered, nuts, None if nuts is None else _split_metrics(nuts),
+                            settings, nuts_peak_mb=nuts_memory.peak_mb, nuts_ksd=nuts_ksd)
+
+
+def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):
+    """Fill each row's ``ksd`` and ``k_hat`` (module docstring); return NUTS's KSD."""
+    rng = pyro.util.get_rng_state()
+    try:
+        with warnings.catch_warnings():
+            # only coordinates: a fallback in the search still gives valid (if less
+            # even) ones, and the fits have warned about it already
+            warnings.simplefilter("ignore", PreconditionerWarning)
+            coordinates = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
+
+        def ksd(draws):
+            return stein_discrepancy(model, draws, *args, preconditioner=coordinates,
+                                     max_plate_nesting=mpn, **kwargs)
+
+        unreliable = []
+        for name, r in results.items():
+            r.ksd = ksd(r.samples)
+            if has_log_density(r.approximation):
+                pyro.set_rng_seed(seed)
+                r.k_hat = psis_diagnostic(model, r.approximation, *args, num_samples=1000,
+                                          max_plate_nesting=mpn, **kwargs)
+                if not r.k_hat <= K_HAT_THRESHOLD:
+                    unreliable.append(f"{name} ({r.k_hat:.2f})")
+        if unreliable:
+            warnings.warn(
+                f"PSIS k-hat > {K_HAT_THRESHOLD} for {', '.join(unreliable)}: importance "
+                "weights cannot correct these guides, whose tails are too light somewhere; "
+                "read their error columns (or KSD) with care and consider a richer guide "
+                "or longer training",
+                UnreliableFitWarning,
+                stacklevel=3,
+            )
+        return None if nuts is None else ksd(nuts.samples)
+    finally:
+        pyro.util.set_rng_state(rng)
 
 
 def _split_metrics(nuts):

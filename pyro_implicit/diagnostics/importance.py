@@ -41,9 +41,15 @@ import dataclasses
 import math
 
 import pyro
+import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide import (
+    AutoContinuous,
+    AutoDelta,
+    AutoGuide,
+    AutoLaplaceApproximation,
+)
 from pyro.infer.importance import vectorized_importance_weights
 from pyro.ops.stats import fit_generalized_pareto
 
@@ -54,7 +60,9 @@ from .draws import guess_max_plate_nesting, latent_shapes
 
 __all__ = [
     "ImportanceResult",
+    "UnreliableFitWarning",
     "UnreliableWeightsError",
+    "has_log_density",
     "importance_refine",
     "importance_weights",
     "pareto_smooth",
@@ -66,6 +74,10 @@ K_HAT_THRESHOLD = 0.7
 
 #: draws whose linearised density is computed at once (a (B, D, d) Jacobian each)
 _JACOBIAN_BLOCK = 128
+
+
+class UnreliableFitWarning(UserWarning):
+    """A fitted guide's PSIS k-hat is above 0.7 (raised once per comparison)."""
 
 
 class UnreliableWeightsError(ValueError):
@@ -231,6 +243,25 @@ def _no_density_error(guide):
     )
 
 
+def has_log_density(guide):
+    """Whether :func:`importance_weights` can weight ``guide``: Pyro's guides (except point
+    estimates), :class:`~pyro_implicit.guides.SemiImplicitGuide` and
+    :class:`~pyro_implicit.guides.LinearizedGuide`."""
+    if isinstance(guide, (SemiImplicitGuide, LinearizedGuide)):
+        return True
+    if isinstance(guide, (ImplicitAutoGuide, AutoDelta, AutoLaplaceApproximation)):
+        return False  # no density, or a point estimate
+    return isinstance(guide, AutoGuide)
+
+
+def _point_estimate_error(guide):
+    return TypeError(
+        f"{type(guide).__name__} is a point estimate: importance weights of a point mass "
+        "say nothing about the posterior's spread; check its draws (if any) with "
+        "stein_discrepancy, or fit a guide with a spread"
+    )
+
+
 def _log_weights(model, guide, args, kwargs, num_samples, max_plate_nesting, num_mixing):
     """``(draws, raw log weights, density label)``."""
     if isinstance(guide, ImplicitAutoGuide):
@@ -244,10 +275,14 @@ def _log_weights(model, guide, args, kwargs, num_samples, max_plate_nesting, num
         else:
             raise _no_density_error(guide)
         space = guide.latent_space(*args, **kwargs)
+    elif isinstance(guide, AutoDelta):
+        raise _point_estimate_error(guide)
     elif isinstance(guide, AutoContinuous):
         if guide.prototype_trace is None:
             raise ValueError(f"{type(guide).__name__} is not set up: fit it (or call it) first")
         posterior = guide.get_posterior(*args, **kwargs)
+        if isinstance(posterior, dist.Delta):
+            raise _point_estimate_error(guide)
         u = posterior.sample((num_samples,))
         log_q = posterior.log_prob(u)
         space = LatentSpace.from_guide(guide, args, kwargs, max_plate_nesting or 0)
