@@ -112,7 +112,13 @@ def test_median_and_quantiles():
         assert not q.requires_grad
         assert q.shape == (3,) + median[name].shape
         assert torch.equal(q[1], median[name])
-        assert (q[0] <= q[1]).all() and (q[1] <= q[2]).all()
+        if name not in ("e", "f"):  # elementwise monotone transforms: per coordinate
+            assert (q[0] <= q[1]).all() and (q[1] <= q[2]).all()
+    # simplex and Cholesky factor: per-coordinate quantiles of u mapped into the support
+    assert torch.allclose(quantiles["e"].sum(-1), torch.ones(3))
+    assert (quantiles["e"] > 0).all()
+    rows = quantiles["f"].pow(2).sum(-1)  # rows of a correlation Cholesky factor: unit norm
+    assert torch.allclose(rows, torch.ones_like(rows))
     assert (quantiles["c"] > 0).all()
 
 

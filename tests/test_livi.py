@@ -318,7 +318,11 @@ def test_median_quantiles_and_constraints(generator):
     for name, q in quantiles.items():
         assert q.shape == (3,) + median[name].shape
         assert torch.equal(q[1], median[name])
-        assert (q[0] <= q[1]).all() and (q[1] <= q[2]).all()
+        if name != "e":  # elementwise monotone transforms: per-coordinate quantiles
+            assert (q[0] <= q[1]).all() and (q[1] <= q[2]).all()
+    # the simplex: per-coordinate quantiles of u mapped into the support (as Pyro's)
+    assert torch.allclose(quantiles["e"].sum(-1), torch.ones(3))
+    assert (quantiles["e"] > 0).all()
     draws = guide.sample_posterior(6)
     assert draws["c"].shape == (6, 3) and (draws["c"] > 0).all()
     assert torch.allclose(draws["e"].sum(-1), torch.ones(6))
@@ -372,7 +376,8 @@ def test_svd_bound_step_at_large_latent_size():
 
 def test_scale_benchmark_smoke(tmp_path, load_benchmark):
     record = load_benchmark("livi_scale").main(
-        ["--smoke", "--out", str(tmp_path / "s.json"), "--figure", str(tmp_path / "s.png")])
+        ["--smoke", "--out", str(tmp_path / "s.json"), "--figure", str(tmp_path / "s.png")]
+    )
     assert (tmp_path / "s.png").exists() and (tmp_path / "s.json").exists()
     rows = record["results"]
     assert [r["sweep"] for r in rows] == ["D", "d", "d"]

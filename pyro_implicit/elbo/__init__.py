@@ -1,6 +1,12 @@
 """Losses (Pyro ``ELBO`` subclasses) that estimate what an implicit guide cannot evaluate."""
 
-from .base import ImplicitELBO, VectorizationError, check_vectorized_log_joint
+from .base import (
+    DivergenceError,
+    ImplicitELBO,
+    VectorizationError,
+    check_guide_covers_model,
+    check_vectorized_log_joint,
+)
 from .gpvi import GPVI_ELBO, AmortizedSVGD_ELBO
 from .kernel_ratio import KernelRatioELBO, kernel_kl, kernel_log_ratio
 from .livi import LIVI_ELBO, jacobian, linearized_entropy, smallest_singular_value
@@ -8,12 +14,14 @@ from .sivi import SIVI_ELBO, linear_schedule
 
 __all__ = [
     "AmortizedSVGD_ELBO",
+    "DivergenceError",
     "GPVI_ELBO",
     "ImplicitELBO",
     "KernelRatioELBO",
     "LIVI_ELBO",
     "SIVI_ELBO",
     "VectorizationError",
+    "check_guide_covers_model",
     "check_vectorized_log_joint",
     "jacobian",
     "kernel_kl",

@@ -13,6 +13,7 @@ value is the loss and whose gradient is the estimator's surrogate gradient,
 """
 
 import math
+import warnings
 
 import pyro
 import pyro.poutine as poutine
@@ -527,10 +528,13 @@ class ImplicitELBO(ELBO):
         model_trace = prune_subsample_sites(model_trace)
         check_if_enumerated(guide_trace)
         self._check_guide(guide_trace)
-        model_trace.compute_log_prob()
-        guide_trace.compute_log_prob(
-            site_filter=lambda name, site: implicit_site_info(site) is None
-        )
+        with warnings.catch_warnings():
+            # a NaN density stops the step with a DivergenceError naming the site
+            warnings.filterwarnings("ignore", message="Encountered NaN", category=UserWarning)
+            model_trace.compute_log_prob()
+            guide_trace.compute_log_prob(
+                site_filter=lambda name, site: implicit_site_info(site) is None
+            )
         if is_validation_enabled():
             for site in model_trace.nodes.values():
                 if site["type"] == "sample":
@@ -552,12 +556,19 @@ class ImplicitELBO(ELBO):
             if not bad and not (self._num_evaluations > 0 and "Expected parameter" in str(e)):
                 raise
             first_line = str(e).strip().splitlines()[0]
-            reached = [n for n, site in partial.nodes.items() if site["type"] == "sample"]
+            reached = [
+                n
+                for n, site in partial.nodes.items()
+                if site["type"] == "sample" and not site_is_subsample(site)
+            ]
             where = f" after site '{reached[-1]}'" if reached else ""
+            summary = _draws_summary(draws)
+            if guide_trace is None:  # the guide itself failed: ask its samplers
+                summary = _sampler_summary(fn) or summary
             raise DivergenceError(
                 f"{type(self).__name__}: {what} failed{where} on step "
                 f"{self._num_evaluations + 1} ({type(e).__name__}: {first_line}). "
-                f"{_draws_summary(draws)} The fit has diverged. {DIVERGENCE_ADVICE}"
+                f"{summary} The fit has diverged. {DIVERGENCE_ADVICE}"
             ) from e
 
     def _check_guide(self, guide_trace):
@@ -803,6 +814,30 @@ def _draws_summary(trace):
                 )
         label = "largest |draw| per site: "
     return ("The guide's " + label + ", ".join(parts) + ".") if parts else ""
+
+
+def _sampler_summary(guide, num=8):
+    """The largest |draw| per site of the implicit guides inside ``guide`` (itself or the
+    parts of an ``AutoGuideList``), from a few fresh draws; "" if it has none."""
+    from ..guides.base import ImplicitAutoGuide
+
+    modules = guide.modules() if isinstance(guide, torch.nn.Module) else []
+    parts = []
+    for module in modules:
+        if not isinstance(module, ImplicitAutoGuide) or module.prototype_trace is None:
+            continue
+        with torch.no_grad():
+            u = module.sample_unconstrained(num)
+        start = 0
+        for name, shape in module._unconstrained_shapes.items():
+            part = u[:, start : start + math.prod(shape)]
+            start += math.prod(shape)
+            finite = bool(torch.isfinite(part).all())
+            top = part.abs().max().item() if finite else float("nan")
+            parts.append(f"'{name}' {top:.3g}" + ("" if finite else " (not finite)"))
+    if not parts:
+        return ""
+    return "The guide's largest |draw| per site, unconstrained: " + ", ".join(parts) + "."
 
 
 def _first_nonfinite_log_prob(model_trace):

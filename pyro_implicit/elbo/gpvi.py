@@ -310,18 +310,30 @@ class _FunctionalGradientELBO(ImplicitELBO):
                 "loss_and_grads / differentiable_loss with autograd enabled"
             )
         log_target = self._log_target(model_trace, guide_trace)
+        # the model's own pyro.params (e.g. an observation scale) descend minus the mean log
+        # target, the ELBO's gradient in them, as pyro.infer.SVGD trains them
+        model_params = any(
+            site["type"] == "param" and site["value"].requires_grad
+            for site in model_trace.nodes.values()
+        )
         # score of the unconstrained target at the draws (no gradient into the generator)
-        (score,) = torch.autograd.grad(
-            log_target.sum(), latent, retain_graph=not self.independent_batches
+        (latent_score,) = torch.autograd.grad(
+            log_target.sum(), latent, retain_graph=model_params or not self.independent_batches
         )
         # the direction acts on the generator's whitened output w (u = m + L w), where the
         # kernel's one bandwidth suits every coordinate: the score there is L^T grad_u
-        score = preconditioner_of(guide_obj).whiten_score(packed_particles(score, n, mpn))
+        score = preconditioner_of(guide_obj).whiten_score(packed_particles(latent_score, n, mpn))
         scale = site["scale"]
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
         direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
         # eq. (4): d/dtheta mean_b <G_b, f(z_b)> = E_z[(df/dtheta)^T G]
         surrogate = (direction.detach() * outputs).sum(-1).mean()
+        if model_params:
+            # -mean log p with the path through the draws cancelled (its gradient in the
+            # generator is score . du, exactly what the subtracted term gives): only the
+            # model's parameters get a gradient from it
+            through_draws = (latent_score.detach() * latent).sum() / n
+            surrogate = surrogate - (log_target.mean() - through_draws)
         self.diagnostics["log_target"] = log_target.mean().item()
         return -log_target.detach().mean(), surrogate
 

@@ -26,6 +26,7 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median
+from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
 from ..latent import LatentSpace, Preconditioner, resolve_precondition
@@ -84,7 +85,7 @@ class ImplicitAutoGuide(AutoContinuous):
       through ``biject_to``, plates, ``subsample_size`` likelihood scaling);
     * vectorised sampling (:meth:`sample_unconstrained`, :meth:`sample_posterior`): S draws
       are one call of the sampler;
-    * sample-based :meth:`median` and :meth:`quantiles`;
+    * sample-based :meth:`median` and :meth:`quantiles` (inside every support);
     * an affine preconditioner :math:`u = m + L z` (:mod:`pyro_implicit.latent`), found
       automatically before training (MAP by L-BFGS, then the Laplace approximation, or a
       short Gaussian variational fit where the posterior is not Gaussian at its mode):
@@ -172,7 +173,12 @@ class ImplicitAutoGuide(AutoContinuous):
         init_loc = self._init_loc()
         # dtype and device of the sampler's noise; a buffer follows .to() and .cuda()
         self.register_buffer("_noise_reference", init_loc.new_zeros(()), persistent=False)
-        self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
+        pending = self.__dict__.pop("_pending_state", None)
+        if pending is not None:
+            # load_state_dict before the first call: the saved preconditioner, no search
+            self.preconditioner = _preconditioner_from_state(pending[0], init_loc)
+        else:
+            self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
         if self.preconditioner.is_identity:
             self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
             self._build_sampler(init_loc)
@@ -180,6 +186,12 @@ class ImplicitAutoGuide(AutoContinuous):
             # the sampler draws whitened z: it starts at the preconditioner's Gaussian
             self._init_scale = 1.0 if self._init_scale_arg is None else self._init_scale_arg
             self._build_sampler(torch.zeros_like(init_loc))
+        if pending is not None:
+            super().load_state_dict(*pending)
+        # the sampler's parameters live in Pyro's param store, as an autoguide's do: a
+        # store loaded from a file restores them (and a loaded state_dict fills the store)
+        self._sync_param_store(pull=pending is None)
+        self._store_preconditioner()
 
     @property
     def whitened(self):
@@ -197,14 +209,143 @@ class ImplicitAutoGuide(AutoContinuous):
         return None
 
     def _find_preconditioner(self, init_loc, args, kwargs):
-        # the search runs the model: keep it off the caller's trace and param store
-        space = LatentSpace.from_guide(self, args, kwargs)
         dense = self._dense_preconditioner()
-        with poutine.block():
-            found = resolve_precondition(
-                self._precondition_arg[0], space, init_loc.detach(), args, kwargs, dense=dense
-            )
+        stored = None
+        if self._precondition_arg[0] is False or self._precondition_arg[0] is None:
+            return Preconditioner.identity()
+        if self._precondition_arg[0] is True:
+            # a preconditioner saved with the param store (a trained guide of this name)
+            # comes back as it was instead of being searched again
+            stored = self._stored_preconditioner(init_loc)
+        if stored is not None:
+            found = stored
+        else:
+            # the search runs the model: keep it off the caller's trace and param store
+            space = LatentSpace.from_guide(self, args, kwargs)
+            with poutine.block():
+                found = resolve_precondition(
+                    self._precondition_arg[0],
+                    space,
+                    init_loc.detach(),
+                    args,
+                    kwargs,
+                    dense=dense,
+                )
         return found.diagonal() if dense is False else found
+
+    # ------------------------------------------------------------------ persistence
+    def _store_name(self, name):
+        return self._pyro_get_fullname(name)
+
+    def _param_store_names(self):
+        """``{Pyro param store name: parameter}`` of every learned tensor of the guide,
+        named as ``pyro.module`` names a plain ``nn.Module``'s parameters."""
+        names = {}
+        for name, param in self.named_parameters():
+            if name.endswith("_unconstrained"):  # a PyroParam: PyroModule syncs it itself
+                continue
+            head, _, rest = name.partition(".")
+            if rest:
+                names[param_with_module_name(self._store_name(head), rest)] = param
+            else:
+                names[self._store_name(name)] = param
+        return names
+
+    def _sync_param_store(self, pull=True):
+        """Make the param store hold this guide's parameters (the very tensors, so that
+        ``SVI``'s optimiser steps what the sampler uses). With ``pull``, values already in
+        the store under the same names (e.g. after ``pyro.get_param_store().load(path)``)
+        are copied into the guide first, as a ``PyroParam`` reads the store."""
+        store = pyro.get_param_store()
+        for fullname, param in self._param_store_names().items():
+            stored = store._params.get(fullname) if fullname in store else None
+            if stored is param:
+                continue
+            if stored is not None and pull:
+                if stored.shape != param.shape:
+                    raise ValueError(
+                        f"Pyro's param store holds '{fullname}' with shape "
+                        f"{tuple(stored.shape)}, but this {type(self).__name__} needs "
+                        f"{tuple(param.shape)} (a guide of the same name for another model "
+                        "or with other sizes): call pyro.clear_param_store() before building "
+                        "it, or give it another name through AutoGuideList"
+                    )
+                with torch.no_grad():
+                    param.copy_(stored.detach().to(dtype=param.dtype, device=param.device))
+            # the store's unconstrained tensor becomes the guide's parameter itself
+            store[fullname] = param
+
+    def _stored_preconditioner(self, init_loc):
+        store = pyro.get_param_store()
+        kind_name = self._store_name("preconditioner.kind")
+        if kind_name not in store:
+            return None
+        kind = int(store[kind_name].item())
+        if kind == 0:
+            return Preconditioner.identity()
+        dim = init_loc.numel()
+        loc = store[self._store_name("preconditioner.loc")].detach().to(init_loc)
+        if loc.shape != (dim,):
+            raise ValueError(
+                f"Pyro's param store holds a preconditioner of size {loc.numel()} for "
+                f"'{self._pyro_name}', but the model's packed latent has D={dim}: call "
+                "pyro.clear_param_store() before building a guide for another model"
+            )
+        if kind == 2:
+            tril = store[self._store_name("preconditioner.scale_tril")].detach().to(init_loc)
+            found = Preconditioner(loc, scale_tril=tril, source="param_store")
+        else:
+            scale = store[self._store_name("preconditioner.scale")].detach().to(init_loc)
+            found = Preconditioner(loc, scale=scale, source="param_store")
+        found.diagnostics = {"source": "param_store"}
+        return found
+
+    def _store_preconditioner(self):
+        """Save the preconditioner with the param store (copies, never optimised: no
+        ``pyro.param`` statement reads them), so that ``save`` / ``load`` restore it."""
+        store = pyro.get_param_store()
+        pre = self.preconditioner
+        kind = {"identity": 0, "diagonal": 1, "dense": 2}[pre.kind]
+        store[self._store_name("preconditioner.kind")] = torch.tensor(float(kind))
+        for key in ("loc", "scale_tril", "scale"):
+            name = self._store_name(f"preconditioner.{key}")
+            value = getattr(pre, key, None)
+            if torch.is_tensor(value):
+                store[name] = value.detach().clone()
+            elif name in store:
+                del store[name]
+
+    def forward(self, *args, **kwargs):
+        if self.prototype_trace is not None:
+            # a store loaded into a live guide replaces the tensors: read them, as a
+            # PyroParam does on every access
+            self._sync_param_store()
+        return super().forward(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Restore :meth:`state_dict`, preconditioner included.
+
+        Before the guide's first call (it is built lazily) the state is kept and applied
+        when the first call builds the sampler, with the saved preconditioner instead of a
+        new search; after it, a preconditioner of another kind or size is replaced by the
+        saved one. The param store then holds the loaded values."""
+        if assign:
+            raise NotImplementedError(f"{type(self).__name__}.load_state_dict(assign=True)")
+        if self.prototype_trace is None:
+            self._pending_state = (dict(state_dict), strict)
+            return torch.nn.modules.module._IncompatibleKeys([], [])
+        ref = self._noise_reference
+        saved = _preconditioner_from_state(state_dict, ref)
+        current = self.preconditioner
+        same = saved.kind == current.kind and (
+            saved.is_identity or saved.loc.shape == current.loc.shape
+        )
+        if not same:
+            self.preconditioner = saved
+        result = super().load_state_dict(state_dict, strict=strict)
+        self._sync_param_store(pull=False)
+        self._store_preconditioner()
+        return result
 
     def _build_sampler(self, init_loc):
         """Create the sampler's parameters. ``init_loc`` is the packed ``(D,)`` initial
@@ -300,15 +441,22 @@ class ImplicitAutoGuide(AutoContinuous):
         # median() and quantiles() agree and never reseed the global generator.
         device = self._noise_reference.device
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            return self.sample_posterior(self.num_quantile_samples)
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            return self.sample_unconstrained(self.num_quantile_samples)
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs):
         """Posterior quantiles of every latent site, from samples.
 
-        Quantiles are taken per coordinate in constrained space (exact for the elementwise
-        monotone transforms of real, positive and interval supports).
+        As Pyro's autoguides do, quantiles are taken per coordinate of the packed
+        *unconstrained* draws and mapped through each site's ``biject_to`` transform, so
+        every result lies inside the site's support. For real, positive and interval
+        supports (elementwise, monotone transforms) this is the ordinary per-coordinate
+        quantile of the site. For a simplex (``Dirichlet``) or a Cholesky factor of a
+        correlation matrix (``LKJCholesky``) it is the point whose unconstrained
+        coordinates sit at that level: a valid simplex or Cholesky factor, but not the
+        quantile of each constrained coordinate (those cannot, in general, sum to 1 or
+        form a correlation matrix together).
 
         :param quantiles: quantile levels in [0, 1].
         :return: ``{name: tensor of shape (len(quantiles),) + site shape}``.
@@ -317,15 +465,15 @@ class ImplicitAutoGuide(AutoContinuous):
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         draws = self._quantile_draws()
-        some = next(iter(draws.values()))
-        q = torch.as_tensor(quantiles, dtype=some.dtype, device=some.device)
+        q = torch.as_tensor(quantiles, dtype=draws.dtype, device=draws.device)
         if q.dim() != 1 or (q < 0).any() or (q > 1).any():
             raise ValueError(f"quantiles must be a list of levels in [0, 1], got {quantiles}")
-        return {name: torch.quantile(value, q, dim=0) for name, value in draws.items()}
+        return self.unpack(torch.quantile(draws, q, dim=0))
 
     @torch.no_grad()
     def median(self, *args, **kwargs):
-        """Posterior median of every latent site, from samples (see :meth:`quantiles`).
+        """Posterior median of every latent site: the per-coordinate median of the
+        unconstrained draws mapped into each support (see :meth:`quantiles`).
 
         :return: ``{name: tensor shaped like the site}``.
         :rtype: dict
@@ -339,3 +487,20 @@ def default_noise_dim(latent_dim):
     if latent_dim <= 64:
         return max(latent_dim, 2)
     return int(min(128, 64 + 8 * math.log2(latent_dim / 64)))
+
+
+def _preconditioner_from_state(state_dict, like):
+    """The :class:`Preconditioner` saved in a guide's ``state_dict`` (its buffers)."""
+    loc = state_dict.get("preconditioner.loc")
+    if loc is None:
+        return Preconditioner.identity()
+    loc = loc.to(dtype=like.dtype, device=like.device)
+    tril = state_dict.get("preconditioner.scale_tril")
+    if tril is not None:
+        found = Preconditioner(loc, scale_tril=tril.to(loc), source="state_dict")
+    else:
+        found = Preconditioner(
+            loc, scale=state_dict["preconditioner.scale"].to(loc), source="state_dict"
+        )
+    found.diagnostics = {"source": "state_dict"}
+    return found

@@ -121,7 +121,10 @@ class FunctionSpaceSVGD(ParticleInference):
        autograd graph, or given as ``aux_sites``) are not function-space particles: each
        particle takes its own MAP step on them, the gradient of its log-likelihood plus
        the site's log prior (as the authors' code does for the noise std), through the same
-       optimiser.
+       optimiser;
+    6. the model's own parameters (``pyro.param`` in the model, e.g. a noise scale) take a
+       step along the gradient of the particles' mean log-likelihood (plus the log prior
+       of the per-particle sites), through the same optimiser.
 
     :param callable model: a Pyro model, vectorised over a particle plate, that records the
         network output with ``pyro.deterministic(function_site, f)``, one row of ``f`` per
@@ -352,6 +355,7 @@ class FunctionSpaceSVGD(ParticleInference):
         """
         first = self._sites is None
         self._setup(args, kwargs)
+        self._check_finite()
         if first:
             self._setup_function(args, kwargs)
         n = self.num_particles
@@ -374,10 +378,17 @@ class FunctionSpaceSVGD(ParticleInference):
             log_lik = self._particle_sum(trace, observed)
             objective = log_lik.sum() + self._particle_sum(trace, aux_names).sum()
             inputs = [site["value"]] + [views[name] for name in aux_names]
+            params = self.model_parameters()
             if objective.requires_grad:
-                grads = torch.autograd.grad(objective, inputs, retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(
+                    objective, inputs + params, retain_graph=True, allow_unused=True
+                )
             else:
-                grads = [None] * len(inputs)
+                grads = [None] * (len(inputs) + len(params))
+            # the model's own pyro.params (e.g. a noise scale) descend minus the particles'
+            # mean log-likelihood
+            param_grads = [None if g is None else -g / n for g in grads[len(inputs) :]]
+            grads = grads[: len(inputs)]
             g_site = grads[0]
             if g_site is None and observed:
                 raise ValueError(
@@ -430,7 +441,7 @@ class FunctionSpaceSVGD(ParticleInference):
         direction = torch.zeros_like(self.particles) if pulled is None else pulled
         for s, g in zip(self._aux, grads[1:], strict=True):
             direction[:, s.start : s.stop] = 0.0 if g is None else g.reshape(n, -1)
-        self._apply(direction)
+        self._apply(direction, param_grads)
         return {
             "attractive": self._norm(d.drive),
             "repulsive": self._norm(d.repulsion),

@@ -97,7 +97,17 @@ class GaussianPriorScore:
 
     def __call__(self, f, x, sample_prior):
         n, b, out = f.shape
-        draws = sample_prior(self.num_samples).reshape(self.num_samples, b * out)
+        draws = sample_prior(self.num_samples)
+        if draws.numel() != self.num_samples * b * out:
+            raise ValueError(
+                f"the function values of the {self.num_samples} prior draws hold "
+                f"{draws.numel() // self.num_samples} values each at the {b} prior inputs, "
+                f"but the particles' hold {b * out} ({b} rows x {out} outputs): the model "
+                "records its function with another shape under the prior draws' plate. "
+                "Record one row of f per input row, written so that latents may carry "
+                "leading particle dims (e.g. `(x * w).sum(-1)`, not `x @ w` or `.squeeze()`)"
+            )
+        draws = draws.reshape(self.num_samples, b * out)
         score = moment_matched_score(f.reshape(n, b * out), draws, self.eig_min)
         return score.reshape(n, b, out)
 

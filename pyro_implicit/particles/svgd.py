@@ -173,6 +173,18 @@ def _guess_max_plate_nesting(model, args, kwargs):
         return plate_nesting(poutine.block(poutine.trace(model).get_trace)(*args, **kwargs))
 
 
+def _param_names(model, args, kwargs):
+    """Names of the model's own ``pyro.param`` sites (an autoguide's prototype trace hides
+    them), read from one run that leaves the random streams as they were."""
+    rng = pyro.util.get_rng_state()
+    try:
+        with torch.no_grad():
+            trace = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
+    finally:
+        pyro.util.set_rng_state(rng)
+    return tuple(name for name, site in trace.nodes.items() if site["type"] == "param")
+
+
 class _Prototype(AutoContinuous):
     """Pyro's AutoContinuous, used only for its prototype trace and unconstrained shapes."""
 
@@ -341,9 +353,7 @@ class ParticleInference:
                 )
         init = self._initial_particles(args, kwargs, dtype)
         self.particles = init.detach().clone().requires_grad_(True)
-        self.param_names = tuple(
-            name for name, site in proto.prototype_trace.nodes.items() if site["type"] == "param"
-        )
+        self.param_names = _param_names(self.model, args, kwargs)
         if not isinstance(self.optim, PyroOptim):
             self._torch_optim = self.optim([self.particles] + self.model_parameters())
 
@@ -484,6 +494,20 @@ class ParticleInference:
         for p in params:
             p.grad = None
 
+    def _check_finite(self):
+        """Stop with a :class:`~pyro_implicit.elbo.base.DivergenceError` naming the sites
+        whose particles are no longer finite (instead of a validation error deep in the
+        model)."""
+        finite = torch.isfinite(self.particles.detach())
+        if bool(finite.all()):
+            return
+        bad = [s.name for s in self._sites if not bool(finite[:, s.start : s.stop].all())]
+        rows = (~finite).any(-1).nonzero().flatten().tolist()
+        raise DivergenceError(
+            f"{type(self).__name__}: particle(s) {rows[:10]} hold non-finite values of "
+            f"site(s) {bad}. The particles have diverged. {DIVERGENCE_ADVICE}"
+        )
+
     def _check_vectorized(self, args, kwargs, init_loc, num_draws=3):
         """The losses' vectorisation check (:func:`~pyro_implicit.elbo.base.
         check_vectorized_log_joint`) on a few draws around the initial location, before
@@ -619,6 +643,7 @@ class WeightSpaceSVGD(ParticleInference):
         """
         first = self._sites is None
         self._setup(args, kwargs)
+        self._check_finite()
         with torch.enable_grad():
             # with a preconditioner the particles are z and the score below is
             # L^T grad_u by the chain rule: the update acts in whitened coordinates

@@ -1,0 +1,55 @@
+"""The guide x loss grid of the README, as data: one list that the README's table and the
+conformance tests (``tests/test_conformance.py``) both come from.
+
+Each loss states the guide capability it needs and refuses a guide without it, naming the
+loss that fits; :data:`GRID` records, for each guide of the README's table and each of the
+three entropy estimators, whether the pair trains (``True``) or is refused (``False``),
+with the words the README prints in that cell. :func:`grid_table` renders the table.
+"""
+
+__all__ = ["GRID", "GUIDES", "LOSSES", "grid_table"]
+
+#: the table's columns: (loss class name, column heading)
+LOSSES = (
+    ("KernelRatioELBO", "`KernelRatioELBO` (KIVI)"),
+    ("SIVI_ELBO", "`SIVI_ELBO` (SIVI)"),
+    ("LIVI_ELBO", "`LIVI_ELBO` (LIVI)"),
+)
+
+#: the table's rows: (guide class name, row heading)
+GUIDES = (
+    ("ImplicitGuide", "`ImplicitGuide`: `u = g(eps)`, MLP or KIVI's matrix generator"),
+    ("SemiImplicitGuide", "`SemiImplicitGuide`: `psi = T(eps)`, `u ~ N(psi, Sigma)`"),
+    ("LinearizedGuide", "`LinearizedGuide`: `u = g(z) + sigma xi`"),
+    ("AutoNormal", "Pyro's `AutoNormal` and other reparameterised guides"),
+)
+
+#: ``(guide, loss, trains, cell text)`` for every cell of the table
+GRID = (
+    ("ImplicitGuide", "KernelRatioELBO", True, "yes"),
+    ("ImplicitGuide", "SIVI_ELBO", False, "no (no density)"),
+    ("ImplicitGuide", "LIVI_ELBO", False, "no"),
+    ("SemiImplicitGuide", "KernelRatioELBO", True, "yes"),
+    ("SemiImplicitGuide", "SIVI_ELBO", True, "yes"),
+    ("SemiImplicitGuide", "LIVI_ELBO", False, "no"),
+    ("LinearizedGuide", "KernelRatioELBO", True, "yes"),
+    ("LinearizedGuide", "SIVI_ELBO", True, "yes"),
+    ("LinearizedGuide", "LIVI_ELBO", True, "yes"),
+    ("AutoNormal", "KernelRatioELBO", True, "yes"),
+    ("AutoNormal", "SIVI_ELBO", True, "yes (= `Trace_ELBO`)"),
+    # a guide with a density has nothing for LIVI to linearise: the ordinary ELBO
+    ("AutoNormal", "LIVI_ELBO", True, "yes (= `Trace_ELBO`)"),
+)
+
+
+def grid_table():
+    """The README's guide x loss table (Markdown) rendered from :data:`GRID`."""
+    cells = {(guide, loss): text for guide, loss, _, text in GRID}
+    lines = [
+        "| guide (how `u` is drawn) | " + " | ".join(head for _, head in LOSSES) + " |",
+        "|" + "---|" * (len(LOSSES) + 1),
+    ]
+    for guide, head in GUIDES:
+        row = [cells[(guide, loss)] for loss, _ in LOSSES]
+        lines.append(f"| {head} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
