@@ -36,7 +36,7 @@ from pyro_implicit import (
     VectorizationError,
     WeightSpaceSVGD,
 )
-from pyro_implicit.elbo import DivergenceError
+from pyro_implicit.elbo import DivergenceError, check_vectorized_log_joint
 from pyro_implicit.elbo.gpvi import GPVI_ELBO, AmortizedSVGD_ELBO, gpvi_generator
 from pyro_implicit.elbo.grid import GRID, grid_table
 from pyro_implicit.particles.prior_score import GaussianPriorScore
@@ -653,3 +653,18 @@ def test_function_space_svgd_trains_the_model_parameters():
         fit.step()
     # residuals of sd about 3 pull a scale of 0.2 up
     assert pyro.param("obs_scale").item() > 0.2
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [(_bad_matmul, "site 'y'"), (_bad_sum, "site 'y'"), (_bad_squeeze, "'scale'")],
+    ids=["matmul", "sum", "squeeze"],
+)
+def test_the_check_runs_on_prior_draws_without_a_guide(bad, match):
+    # for methods without a guide (NUTS, Pyro's SVGD in compare): draws of the prior
+    args = (_x(), torch.randn(N))
+    with pytest.raises(VectorizationError, match=match):
+        check_vectorized_log_joint(bad, None, args, {}, max_plate_nesting=2)
+    for kind in ("vector", "nested_plates", "subsampled", "deterministic", "lkj"):
+        mpn = 3 if kind == "nested_plates" else 2
+        check_vectorized_log_joint(MODELS[kind], None, _data()[kind], {}, max_plate_nesting=mpn)

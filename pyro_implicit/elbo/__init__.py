@@ -5,6 +5,7 @@ from .base import (
     ImplicitELBO,
     VectorizationError,
     check_guide_covers_model,
+    check_observed_finite,
     check_vectorized_log_joint,
 )
 from .gpvi import GPVI_ELBO, AmortizedSVGD_ELBO
@@ -22,6 +23,7 @@ __all__ = [
     "SIVI_ELBO",
     "VectorizationError",
     "check_guide_covers_model",
+    "check_observed_finite",
     "check_vectorized_log_joint",
     "jacobian",
     "kernel_kl",

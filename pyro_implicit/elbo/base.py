@@ -10,6 +10,12 @@ value is the loss and whose gradient is the estimator's surrogate gradient,
 * on the first call for a model/guide pair it checks that the model is safe under the
   vectorised particle plate (:func:`check_vectorized_log_joint`), the most common silent
   failure in Pyro.
+
+Every loss also refuses a guide that leaves a latent site of the model out
+(:func:`check_guide_covers_model`; Pyro only warns, and the site would be drawn from its
+prior on every step), and stops with a :class:`DivergenceError` that names the sites and
+what to try when the loss is not finite, a draw explodes (beyond
+:attr:`ImplicitELBO.max_abs_draw`) or the guide or model fails on non-finite draws.
 """
 
 import math
@@ -31,6 +37,8 @@ __all__ = [
     "ImplicitELBO",
     "VectorizationError",
     "auxiliary_site_value",
+    "check_guide_covers_model",
+    "check_observed_finite",
     "check_vectorized_log_joint",
     "implicit_guide_sites",
     "packed_particles",

@@ -97,6 +97,18 @@ class ImplicitAutoGuide(AutoContinuous):
       errors) and local latent sites inside a subsampled plate, which a packed guide cannot
       size (it would silently reuse ``subsample_size`` slots for different data points).
 
+    **Saving and loading.** As with Pyro's autoguides, the sampler's parameters live in
+    Pyro's param store under the guide's name (the store holds the very tensors the sampler
+    uses, and a store loaded later is read back on the next call), and the preconditioner is
+    stored beside them as constants (``<name>.preconditioner.*``, never optimised). So
+    ``pyro.get_param_store().save(path)``, then in a fresh process ``load(path)`` and a new
+    guide of the same class on the same model, gives the same seeded draws, with the saved
+    preconditioner instead of a new search. ``state_dict()`` holds the same (the
+    preconditioner as buffers); ``load_state_dict`` may be called before the guide's first
+    call, which then builds the sampler around the saved preconditioner. Two guides of one
+    class in one store share their parameters, as two ``AutoNormal`` do: call
+    ``pyro.clear_param_store()`` between fits, or name them apart in an ``AutoGuideList``.
+
     :param callable model: a Pyro model.
     :param callable init_loc_fn: per-site initialisation (Pyro's ``init_to_*``): the
         start of the preconditioner's MAP search, or, without preconditioner, the centre
