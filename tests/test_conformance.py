@@ -599,12 +599,13 @@ def test_a_nan_sampler_stops_naming_the_site(method):
         fit.step()
 
 
-def test_particles_stop_on_a_non_finite_log_joint():
+@pytest.mark.parametrize("value", [float("nan"), 1e30], ids=["nan", "exploded"])
+def test_particles_stop_when_they_diverge(value):
     fit = Fit(METHODS[-2], _two_sites, _data()["scalar"])
     fit.step()
     with torch.no_grad():
-        fit.engine.particles[0, 0] = float("nan")
-    with pytest.raises(DivergenceError, match="particle"):
+        fit.engine.particles[1, 1] = value
+    with pytest.raises(DivergenceError, match=r"particle\(s\) \[1\] .*site\(s\) \['b'\]"):
         fit.step()
 
 

@@ -494,18 +494,26 @@ class ParticleInference:
         for p in params:
             p.grad = None
 
+    #: largest magnitude of an unconstrained particle coordinate before the particles count
+    #: as diverged (as :attr:`pyro_implicit.elbo.base.ImplicitELBO.max_abs_draw`; ``None``
+    #: disables the check)
+    max_abs_particle = 1e12
+
     def _check_finite(self):
         """Stop with a :class:`~pyro_implicit.elbo.base.DivergenceError` naming the sites
-        whose particles are no longer finite (instead of a validation error deep in the
-        model)."""
-        finite = torch.isfinite(self.particles.detach())
-        if bool(finite.all()):
+        whose particles are no longer finite or have exploded (instead of a validation
+        error deep in the model, or draws of 1e45 without a word)."""
+        u = self.unconstrained_particles().detach()
+        limit = math.inf if self.max_abs_particle is None else self.max_abs_particle
+        ok = torch.isfinite(u) & (u.abs() <= limit)
+        if bool(ok.all()):
             return
-        bad = [s.name for s in self._sites if not bool(finite[:, s.start : s.stop].all())]
-        rows = (~finite).any(-1).nonzero().flatten().tolist()
+        bad = [s.name for s in self._sites if not bool(ok[:, s.start : s.stop].all())]
+        rows = (~ok).any(-1).nonzero().flatten().tolist()
         raise DivergenceError(
             f"{type(self).__name__}: particle(s) {rows[:10]} hold non-finite values of "
-            f"site(s) {bad}. The particles have diverged. {DIVERGENCE_ADVICE}"
+            f"site(s) {bad}, or values beyond max_abs_particle={self.max_abs_particle:g} in "
+            f"unconstrained space. The particles have diverged. {DIVERGENCE_ADVICE}"
         )
 
     def _check_vectorized(self, args, kwargs, init_loc, num_draws=3):
