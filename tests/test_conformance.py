@@ -13,6 +13,7 @@ preconditioner is not what is tested); the statistical checks live in ``test_def
 import dataclasses
 import io
 import math
+import os
 
 import pyro
 import pyro.distributions as dist
@@ -40,6 +41,9 @@ from pyro_implicit.elbo import DivergenceError, check_vectorized_log_joint
 from pyro_implicit.elbo.gpvi import GPVI_ELBO, AmortizedSVGD_ELBO, gpvi_generator
 from pyro_implicit.elbo.grid import GRID, grid_table
 from pyro_implicit.particles.prior_score import GaussianPriorScore
+
+#: the slow statistical tests run only when asked for (the default run stays short)
+RUN_SLOW = os.environ.get("PYRO_IMPLICIT_SLOW") == "1"
 
 # ----------------------------------------------------------------------------- catalogue
 N = 6
@@ -669,3 +673,83 @@ def test_the_check_runs_on_prior_draws_without_a_guide(bad, match):
     for kind in ("vector", "nested_plates", "subsampled", "deterministic", "lkj"):
         mpn = 3 if kind == "nested_plates" else 2
         check_vectorized_log_joint(MODELS[kind], None, _data()[kind], {}, max_plate_nesting=mpn)
+
+
+# ----------------------------------------------------------------------------- posteriors
+def _dirichlet_categorical():
+    counts = torch.tensor([3.0, 9.0, 18.0])
+    y = torch.cat([torch.full((int(c),), k) for k, c in enumerate(counts)]).long()
+
+    def model(y):
+        w = pyro.sample("w", dist.Dirichlet(torch.ones(3)))
+        with pyro.plate("data", y.shape[0]):
+            pyro.sample("y", dist.Categorical(w), obs=y)
+
+    return model, (y,), dist.Dirichlet(1.0 + counts)
+
+
+def _default_fit(method, model, args):
+    """The method with its constructors' defaults (preconditioned), as a user runs it."""
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    if method.particles is not None:
+        engine = WeightSpaceSVGD(model, optim)
+        for _ in range(1000):
+            engine.step(*args)
+        return engine.get_named_particles()["w"]
+    name = method.guide
+    if name == "AutoNormal":
+        guide = AutoNormal(model)
+    elif name == "ImplicitGuide(gpvi)":
+        guide = ImplicitGuide(model, generator=gpvi_generator())
+    else:
+        guide = {
+            "ImplicitGuide": ImplicitGuide,
+            "SemiImplicitGuide": SemiImplicitGuide,
+            "LinearizedGuide": LinearizedGuide,
+        }[name](model)
+    loss = {
+        "KernelRatioELBO": KernelRatioELBO,
+        "SIVI_ELBO": SIVI_ELBO,
+        "LIVI_ELBO": LIVI_ELBO,
+        "GPVI_ELBO": GPVI_ELBO,
+        "AmortizedSVGD_ELBO": AmortizedSVGD_ELBO,
+    }[method.loss]()
+    svi = SVI(model, guide, optim, loss)
+    for _ in range(1000):
+        svi.step(*args)
+    return Predictive(model, guide=guide, num_samples=2000)(*args)["w"].reshape(2000, 3)
+
+
+_KNOWN_MISSES = {
+    # measured: sd ratios 0.40-0.67; SIVI's mixture over a conditional of sd 1e-3 is
+    # nearly degenerate (LinearizedGuide's docstring: useful only when sigma is large)
+    "LinearizedGuide+SIVI_ELBO": "too narrow: sd ratios 0.40-0.67",
+    # measured: mean 3.5 posterior sds off; no preconditioner, so the paper's prior
+    # contrast (issue #21 item 9, the KIVI defaults)
+    "AutoNormal+KernelRatioELBO": "mean 3.5 sds off with the prior contrast",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RUN_SLOW, reason="slow (1000 steps a method): PYRO_IMPLICIT_SLOW=1")
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_MISSES[m.name]))
+        if m.name in _KNOWN_MISSES
+        else m
+        for m in METHODS
+        if m.name != "fsvgd"
+    ],
+    ids=str,
+)
+def test_dirichlet_categorical_posterior(method):
+    """The simplex support's exact-posterior check (the others: ``test_defaults.py``)."""
+    model, args, posterior = _dirichlet_categorical()
+    draws = _default_fit(method, model, args)
+    assert bool(constraints.simplex.check(draws).all())
+    sd = posterior.variance.sqrt()
+    mean_error = ((draws.mean(0) - posterior.mean) / sd).abs().max().item()
+    sd_ratio = draws.std(0) / sd
+    assert mean_error < 0.3, mean_error
+    assert bool(((sd_ratio > 0.7) & (sd_ratio < 1.3)).all()), sd_ratio

@@ -342,6 +342,9 @@ def check_vectorized_log_joint(
             except (RuntimeError, ValueError, IndexError) as e:
                 crash = e
         if crash is not None:
+            _raise_if_fails_alone(
+                model, args, kwargs, model_trace, names, shapes, max_plate_nesting
+            )
             reached = [
                 name
                 for name, site in model_trace.nodes.items()
@@ -393,12 +396,9 @@ def check_vectorized_log_joint(
         for i in range(num_draws):
             data = dict(subsamples)
             for name, shape in shapes.items():
-                site = model_trace.nodes[name]
-                value = site["value"]
-                axis = value.dim() - site["fn"].event_dim - max_plate_nesting
-                moved = value.movedim(max(axis, 0), 0)
+                value = model_trace.nodes[name]["value"]
                 try:
-                    data[name] = moved[i if moved.shape[0] > 1 else 0].reshape(shape)
+                    data[name] = _draw(model_trace.nodes[name], i, shape, max_plate_nesting)
                 except RuntimeError as e:
                     raise VectorizationError(
                         f"The model is not safe under a vectorised particle plate: latent site "
@@ -413,11 +413,11 @@ def check_vectorized_log_joint(
                     continue
                 expected = single.nodes[name]["log_prob_sum"].item()
                 got = vectorized[name][i].item()
-                if not math.isfinite(expected):
+                if math.isnan(expected):  # (-inf alone and together is a consistent answer)
                     raise ValueError(
-                        f"the log-density of site '{name}' is {expected} for a draw of the "
+                        f"the log-density of site '{name}' is NaN for a draw of the "
                         f"latents evaluated on its own (not a vectorisation problem): the "
-                        "model's density is not finite at "
+                        "model's density is NaN at "
                         + ", ".join(f"'{n}' = {_short(data[n])}" for n in shapes if n in data)
                         + ". Check the data and the model's parameters (a scale of 0, a "
                         "log of a negative number, an exp that overflows)."
@@ -444,6 +444,38 @@ def check_vectorized_log_joint(
                         + f"; {_shapes_text(names, single, model_trace, num_draws)}. "
                         f"{_VECTORIZATION_FIX}"
                     )
+
+
+def _draw(site, index, shape, max_plate_nesting):
+    """Draw ``index`` of a latent site's value under the particle plate, shaped ``shape``."""
+    value = site["value"]
+    axis = value.dim() - site["fn"].event_dim - max_plate_nesting
+    moved = value.movedim(max(axis, 0), 0)
+    return moved[index if moved.shape[0] > 1 else 0].reshape(shape)
+
+
+def _raise_if_fails_alone(model, args, kwargs, together, names, shapes, max_plate_nesting):
+    """After the vectorised run failed: run the first draw alone, and if the model fails
+    there too, say so (the model's own problem at those values, not vectorisation)."""
+    data = {}
+    for name in names:
+        if name not in together.nodes:
+            continue
+        try:
+            data[name] = _draw(together.nodes[name], 0, shapes[name], max_plate_nesting)
+        except RuntimeError:
+            return  # the draws' own shapes are wrong: a vectorisation problem
+    try:
+        single = poutine.trace(poutine.condition(model, data=data)).get_trace(*args, **kwargs)
+        single.compute_log_prob()
+    except (RuntimeError, ValueError, IndexError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(
+            "the model fails at a draw of its latents evaluated on its own (not a "
+            f"vectorisation problem): {type(e).__name__}: {first_line}. The draw: "
+            + ", ".join(f"'{n}' = {_short(v)}" for n, v in data.items())
+            + ". Check the data and the model's parameters at such values."
+        ) from e
 
 
 def _short(t):
