@@ -42,7 +42,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoContinuous
-from pyro.infer.autoguide.initialization import init_to_median
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.runtime import _DIM_ALLOCATOR
 from pyro.poutine.util import site_is_subsample
 from torch import nn
@@ -137,6 +137,24 @@ def _is_deterministic(site):
     return bool((site.get("infer") or {}).get("_deterministic", False))
 
 
+def _without_init(model):
+    """The model inside Pyro's ``InitMessenger`` wrappers (an ``AutoContinuous`` guide's
+    ``model`` is wrapped in one): conditioned on every latent, the log-density needs no
+    initial values, and computing them (``init_to_median`` draws prior samples at every
+    site) would cost a prior run per call and move the random streams."""
+    while True:
+        parts = getattr(model, "args", None)
+        if (
+            isinstance(parts, tuple)
+            and len(parts) == 2
+            and isinstance(parts[0], InitMessenger)
+            and callable(parts[1])
+        ):
+            model = parts[1]
+        else:
+            return model
+
+
 class LatentSpace:
     """The packed unconstrained latent space of a Pyro model.
 
@@ -153,7 +171,7 @@ class LatentSpace:
     plate_name = "_latent_particles"
 
     def __init__(self, model, prototype_trace, max_plate_nesting, unconstrained_shapes=None):
-        self.model = model
+        self.model = _without_init(model)
         # every plate of the model counts, those of observed sites too (a guide's own
         # max_plate_nesting counts only its latents' plates)
         self.max_plate_nesting = max(int(max_plate_nesting), plate_nesting(prototype_trace))
@@ -344,6 +362,9 @@ class LatentSpace:
         last minibatch wraps around and a few points count twice), so the result is a
         deterministic function of ``u``, as a MAP search and a Hessian need; with
         ``full_data=False`` it is one minibatch estimate (as a stochastic method uses)."""
+        return self._eager_log_density(u, args, kwargs, full_data)
+
+    def _eager_log_density(self, u, args, kwargs, full_data=True):
         if not self.subsample_plates or not full_data:
             return self._log_density(u, args, kwargs)
         batches = _covering_minibatches(self.subsample_plates, u.device)
@@ -377,9 +398,29 @@ class LatentSpace:
             total = total + self.particle_sum(trace.nodes[name]["log_prob"], num, dim)
         return total
 
+    def compile(self, backend="fx", max_signatures=8):
+        """Serve :meth:`score` from traced graphs from now on
+        (:class:`~pyro_implicit.compiled.CompiledLogDensity`: the model's Python and Pyro's
+        handlers run once per input signature, not per call); a model that cannot be
+        traced stays eager, with the reason logged.
+
+        :return: ``self``."""
+        from .compiled import CompiledLogDensity
+
+        self.compiled = CompiledLogDensity(self, backend, max_signatures)
+        return self
+
+    #: the traced graphs behind :meth:`score` (``None``: eager; see :meth:`compile`)
+    compiled = None
+
     def score(self, u, args=(), kwargs=None, full_data=True):
         """``(log_density, score)`` at the rows of ``u``: ``(N,)`` and ``(N, D)`` (on one
-        minibatch with ``full_data=False``, see :meth:`log_density`)."""
+        minibatch with ``full_data=False``, see :meth:`log_density`), detached; from a
+        traced graph after :meth:`compile`."""
+        if self.compiled is not None:
+            out = self.compiled.score(u, args, kwargs, full_data)
+            if out is not None:
+                return out
         with torch.enable_grad():
             u = u.detach().requires_grad_(True)
             lp = self.log_density(u, args, kwargs, full_data=full_data)

@@ -1,0 +1,108 @@
+"""Traced log-density graphs: the same numbers as the eager path, and eager where a graph
+would be wrong."""
+
+import logging
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_implicit.latent import LatentSpace
+from pyro_implicit.models import load_model
+
+
+def eager_and_compiled(model, args, kwargs=None, mpn=1, backend="fx"):
+    eager = LatentSpace.from_model(model, args, kwargs, mpn)
+    compiled = LatentSpace.from_model(model, args, kwargs, mpn).compile(backend)
+    return eager, compiled
+
+
+def test_same_numbers_as_eager_on_eight_schools():
+    m = load_model("eight_schools")
+    eager, compiled = eager_and_compiled(m.model, m.args, m.kwargs, m.max_plate_nesting)
+    for num in (5, 50):
+        u = torch.randn(num, eager.latent_dim)
+        lp, score = eager.score(u, m.args, m.kwargs)
+        lp_c, score_c = compiled.score(u, m.args, m.kwargs)
+        assert torch.allclose(lp_c, lp, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(score_c, score, rtol=1e-12, atol=1e-12)
+    # one graph per batch shape, replayed on new values
+    assert compiled.compiled.active and compiled.compiled.stats["traces"] == 2
+    u = torch.randn(50, eager.latent_dim)
+    expected = eager.score(u, m.args, m.kwargs)[1]
+    assert torch.allclose(compiled.score(u, m.args, m.kwargs)[1], expected)
+    assert compiled.compiled.stats["traces"] == 2
+
+
+def subsampled(x, y, subsample_size=None):
+    beta = pyro.sample("beta", dist.Normal(torch.zeros(2), 2.0).to_event(1))
+    scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", x.shape[0], subsample_size=subsample_size) as idx:
+        pyro.sample("obs", dist.Normal((x[idx] * beta).sum(-1), scale), obs=y[idx])
+
+
+def test_subsampled_model_full_data_and_fresh_minibatches():
+    """The full-data score is exact; a minibatch score draws fresh indices on every call
+    (the subsample is an operation in the graph, not a constant) from the same random
+    stream as the eager path."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
+    kwargs = {"subsample_size": 10}
+    eager, compiled = eager_and_compiled(subsampled, (x, y), kwargs)
+    u = torch.randn(8, 3)
+    assert torch.allclose(compiled.score(u, (x, y), kwargs)[1], eager.score(u, (x, y), kwargs)[1])
+    draws = []
+    for space in (eager, compiled):
+        pyro.set_rng_seed(3)
+        draws.append([space.score(u, (x, y), kwargs, full_data=False)[0] for _ in range(3)])
+    for e, c in zip(*draws, strict=True):
+        assert torch.allclose(c, e)
+    assert not torch.allclose(draws[1][0], draws[1][1])  # a new minibatch each call
+
+
+def test_new_data_is_traced_anew():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(30, 2, generator=g), torch.randn(30, generator=g)
+    eager, compiled = eager_and_compiled(subsampled, (x, y))
+    u = torch.randn(4, 3)
+    compiled.score(u, (x, y))
+    y2 = y + 1.0
+    assert torch.allclose(compiled.score(u, (x, y2))[1], eager.score(u, (x, y2))[1])
+    y2.add_(1.0)  # changed in place: traced anew too
+    assert torch.allclose(compiled.score(u, (x, y2))[1], eager.score(u, (x, y2))[1])
+    assert compiled.compiled.stats["traces"] == 3
+
+
+def with_parameter(y):
+    scale = pyro.param("scale", torch.tensor(1.0), constraint=dist.constraints.positive)
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0), 1.0))
+    with pyro.plate("data", y.shape[0]):
+        pyro.sample("obs", dist.Normal(mu, scale), obs=y)
+
+
+def test_model_parameters_stay_eager_with_the_reason_logged(caplog):
+    y = torch.tensor([0.3, 1.0, -0.2])
+    eager, compiled = eager_and_compiled(with_parameter, (y,))
+    u = torch.randn(5, 1)
+    with caplog.at_level(logging.INFO, logger="pyro_implicit.compiled"):
+        lp, score = compiled.score(u, (y,))
+    assert not compiled.compiled.active
+    assert "parameters ['scale']" in compiled.compiled.fallback_reason
+    assert "runs eagerly" in caplog.text
+    assert torch.allclose(score, eager.score(u, (y,))[1])
+    # the eager path follows the parameter as it trains
+    with torch.no_grad():
+        pyro.param("scale").unconstrained().fill_(1.0)  # scale = e
+    assert torch.allclose(compiled.score(u, (y,))[1], eager.score(u, (y,))[1])
+    assert not torch.allclose(compiled.score(u, (y,))[1], score)
+
+
+def test_too_many_signatures_fall_back():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 2, generator=g)
+    space = LatentSpace.from_model(subsampled, (x, torch.randn(20)), None, 1).compile(
+        max_signatures=2)
+    u = torch.randn(3, 3)
+    for _ in range(3):
+        space.score(u, (x, torch.randn(20, generator=g)))
+    assert not space.compiled.active and "signatures" in space.compiled.fallback_reason
