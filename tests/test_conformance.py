@@ -753,3 +753,24 @@ def test_dirichlet_categorical_posterior(method):
     sd_ratio = draws.std(0) / sd
     assert mean_error < 0.3, mean_error
     assert bool(((sd_ratio > 0.7) & (sd_ratio < 1.3)).all()), sd_ratio
+
+
+def _bad_at_small_scale(y):
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    with pyro.plate("data", N):
+        pyro.sample("y", dist.Normal(0.0, s - 0.01), obs=y)  # invalid for s < 0.01
+
+
+def test_a_model_that_fails_at_the_draw_itself_is_not_blamed_on_vectorisation():
+    values = {"s": torch.tensor([[0.005], [0.002], [0.003]])}
+    args = (torch.randn(N),)
+    with pytest.raises(ValueError, match="evaluated on its own") as info:
+        check_vectorized_log_joint(_bad_at_small_scale, None, args, {}, 2, values=values)
+    assert not isinstance(info.value, VectorizationError)
+    pyro.enable_validation(False)
+    try:
+        with pytest.raises(ValueError, match="site 'y' is NaN for a draw") as info:
+            check_vectorized_log_joint(_bad_at_small_scale, None, args, {}, 2, values=values)
+        assert not isinstance(info.value, VectorizationError)
+    finally:
+        pyro.enable_validation(True)
