@@ -1,0 +1,173 @@
+"""Time per score of a model's latent space: eager Pyro against the traced graphs of
+``LatentSpace.compile`` (``fx`` replay and ``inductor``), with the time to build them.
+
+The score ``(log p(x, u), grad_u log p)`` of N particles is what particle methods, the
+Stein discrepancy and the preconditioner's search evaluate over and over. Models:
+eight schools (D = 10), the waveform logistic regression (D = 22) and the UCI Boston BNN
+(13-50-1, D = 753, minibatches of 100 of its 455 rows). Each backend is timed in alternating
+repeats in one process, so load on the machine affects all alike; the ratio is the
+number to read.
+
+Usage::
+
+    python benchmarks/compiled_score.py --particles 100 --calls 200 --repeats 3 \\
+        --out benchmarks/results/compiled_score.md
+"""
+
+import argparse
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyro
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyro_implicit.datasets import data_available, load_uci  # noqa: E402
+from pyro_implicit.latent import LatentSpace  # noqa: E402
+from pyro_implicit.models import load_model  # noqa: E402
+
+BACKENDS = ("eager", "fx", "inductor")
+
+
+def _boston():
+    from pyro_implicit.bnn import BNNRegression
+
+    split = load_uci("boston", 0, dtype=torch.get_default_dtype())
+    bnn = BNNRegression(split.x_train.shape[-1], hidden_dims=(50,))
+    return bnn, (split.x_train, split.y_train), {"subsample_size": 100}, 1
+
+
+def models():
+    out = {}
+    for name in ("eight_schools", "waveform_logistic"):
+        m = load_model(name)
+        out[name] = (m.model, m.args, m.kwargs, m.max_plate_nesting)
+    if data_available():
+        out["boston_bnn"] = _boston()
+    return out
+
+
+def time_backend(space, backend, u, args, kwargs, calls):
+    """``(ms per call, build seconds)``; the first call (which builds the graph) is not
+    timed per call."""
+    if backend != "eager":
+        space.compile(backend)
+    start = time.perf_counter()
+    space.score(u, args, kwargs, full_data=False)
+    build = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(calls):
+        space.score(u, args, kwargs, full_data=False)
+    per_call = 1000 * (time.perf_counter() - start) / calls
+    if backend != "eager" and not space.compiled.active:
+        raise RuntimeError(f"{backend} fell back to eager: {space.compiled.fallback_reason}")
+    return per_call, build
+
+
+def time_svgd(model, args, kwargs, mpn, compile, particles, steps, seed):
+    """``(ms per step, set-up seconds)`` of ``WeightSpaceSVGD(compile=...)``; set-up is the
+    first step (preconditioner search, vectorisation check, trace or compile)."""
+    from pyro_implicit import WeightSpaceSVGD
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), num_particles=particles,
+                           max_plate_nesting=mpn, compile=compile)
+    start = time.perf_counter()
+    svgd.step(*args, **kwargs)
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(steps):
+        svgd.step(*args, **kwargs)
+    return 1000 * (time.perf_counter() - start) / steps, setup
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--particles", type=int, default=100)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="Markdown results file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_default_dtype(torch.float32)
+    pyro.set_rng_seed(args.seed)
+    command = "python benchmarks/compiled_score.py " + " ".join(argv or sys.argv[1:])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    rows = []
+    for name, (model, margs, mkwargs, mpn) in models().items():
+        best = {b: float("inf") for b in BACKENDS}
+        builds = {b: [] for b in BACKENDS}
+        for _ in range(args.repeats):
+            for backend in BACKENDS:
+                # a fresh space per repeat: the build (trace, compile) is measured each time
+                space = LatentSpace.from_model(model, margs, mkwargs, mpn)
+                u = 0.1 * torch.randn(args.particles, space.latent_dim)
+                ms, build = time_backend(space, backend, u, margs, mkwargs, args.calls)
+                best[backend] = min(best[backend], ms)
+                builds[backend].append(build)
+        steps = {b: float("inf") for b in BACKENDS}
+        setups = {b: [] for b in BACKENDS}
+        for _ in range(args.repeats):
+            for backend in BACKENDS:
+                ms, setup = time_svgd(model, margs, mkwargs, mpn,
+                                      False if backend == "eager" else backend,
+                                      args.particles, args.calls, args.seed)
+                steps[backend] = min(steps[backend], ms)
+                setups[backend].append(setup)
+        rows.append((name, space.latent_dim, best, builds, steps, setups))
+        print(name, {b: f"{v:.3f} ms" for b, v in best.items()},
+              {b: f"{v:.3f} ms" for b, v in steps.items()}, flush=True)
+    lines = [
+        "# Score of N particles: eager Pyro against traced graphs",
+        "",
+        f"`{command}` (commit {commit}, {datetime.date.today()}), float32, "
+        f"{args.threads} thread(s), N = {args.particles} particles, minibatch scores "
+        f"(`full_data=False`), best of {args.repeats} alternating repeats of {args.calls} "
+        "calls. Build: the first call, which traces (fx) or traces and compiles (inductor); "
+        "for eager, its first call. The first inductor build in a process also loads the "
+        "compiler.",
+        "",
+        "| model | D | eager ms | fx ms | inductor ms | fx speed-up | inductor speed-up | "
+        "fx build s | inductor build s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, dim, best, builds, _, _ in rows:
+        lines.append(
+            f"| {name} | {dim} | {best['eager']:.3f} | {best['fx']:.3f} | "
+            f"{best['inductor']:.3f} | {best['eager'] / best['fx']:.1f}x | "
+            f"{best['eager'] / best['inductor']:.1f}x | "
+            f"{min(builds['fx']):.2f}-{max(builds['fx']):.2f} | "
+            f"{min(builds['inductor']):.1f}-{max(builds['inductor']):.1f} |")
+    lines += [
+        "",
+        f"`WeightSpaceSVGD(model, Adam(1e-2), num_particles={args.particles}, compile=...)`, "
+        f"ms per step (best of {args.repeats} alternating repeats of {args.calls} steps after "
+        "the first) and the first step's seconds (preconditioner search, vectorisation "
+        "check, trace or compile):",
+        "",
+        "| model | eager ms/step | fx ms/step | inductor ms/step | fx speed-up | "
+        "inductor speed-up | first step s (eager / fx / inductor) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, _, _, _, steps, setups in rows:
+        lines.append(
+            f"| {name} | {steps['eager']:.2f} | {steps['fx']:.2f} | {steps['inductor']:.2f} | "
+            f"{steps['eager'] / steps['fx']:.1f}x | {steps['eager'] / steps['inductor']:.1f}x | "
+            + " / ".join(f"{min(setups[b]):.1f}" for b in BACKENDS) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
