@@ -197,3 +197,51 @@ def test_compare_diagnostics_can_be_switched_off(y, nuts):
                      nuts=nuts, max_plate_nesting=1, progress=False, diagnostics=False)
     assert result.methods["autonormal"].ksd is None and result.nuts_ksd is None
     assert math.isnan(result.rows()[0]["ksd"])
+
+
+def test_bad_models_are_refused_before_nuts(y):
+    """NaN data and a model that mixes particles get their own error before NUTS runs."""
+    bad = y.clone()
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match="observed site 'obs'.*non-finite"):
+        compare(normal_normal, bad, methods=["autonormal"], num_steps=2, progress=False)
+
+    def mixes(y):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", y.shape[-1]):
+            pyro.sample("obs", dist.Normal(mu.sum(), 1.0), obs=y)  # sums over particles
+
+    from pyro_implicit.elbo import VectorizationError
+
+    with pytest.raises(VectorizationError):
+        compare(mixes, y, methods=["svgd"], num_steps=2, progress=False)
+
+
+def with_scale_parameter(y):
+    scale = pyro.param("scale", torch.tensor(0.5), constraint=dist.constraints.positive)
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", y.shape[-1]):
+        pyro.sample("obs", dist.Normal(mu, scale), obs=y)
+
+
+def test_model_parameters_are_held_at_one_value_in_every_row(y):
+    """NUTS cannot learn a model's pyro.param: every row uses the same value (said in the
+    settings), so the fits' sds match NUTS's instead of looking about 2x too narrow."""
+    nuts = run_nuts(with_scale_parameter, y, num_samples=200, warmup_steps=100, num_chains=2,
+                    seed=0, max_plate_nesting=1, progress_bar=False)
+    result = compare(with_scale_parameter, y, methods=["automvn", "wsvgd"], num_steps=300,
+                     num_samples=1000, nuts=nuts, max_plate_nesting=1, progress=False)
+    assert result.settings["held_model_parameters"] == {"scale": 0.5}
+    exact_sd = 1 / math.sqrt(1 + y.numel() / 0.25)
+    for name in ("automvn", "wsvgd"):
+        sd = float(result.methods[name].samples["mu"].std())
+        assert sd == pytest.approx(exact_sd, rel=0.2), name
+    assert float(result.nuts.samples["mu"].std()) == pytest.approx(exact_sd, rel=0.2)
+
+
+def test_a_weak_reference_is_said_under_the_table(y, nuts):
+    result = compare(normal_normal, y, methods=["autonormal"], num_steps=3, num_samples=100,
+                     nuts=nuts, max_plate_nesting=1, progress=False, diagnostics=False)
+    assert nuts.min_ess < 400
+    weak = [line for line in result.table().splitlines() if line.startswith("WEAK REFERENCE")]
+    assert len(weak) == 1 and "min ESS" in weak[0]

@@ -71,8 +71,10 @@ import torch
 from pyro.infer import SVGD, SVI, RBFSteinKernel, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+from pyro.poutine.messenger import Messenger
 
 from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
+from ..elbo.base import check_observed_finite, check_vectorized_log_joint
 from ..elbo.gpvi import gpvi_generator
 from ..guides import ImplicitGuide, LinearizedGuide, SemiImplicitGuide
 from ..latent import PreconditionerWarning
@@ -364,11 +366,16 @@ class ComparisonResult:
         chains, draws = first.shape[:2]
         warmup = self.settings.get("nuts_kwargs", {}).get("warmup_steps")
         warmup = f" after {warmup} warmup" if warmup is not None else ""
-        return (
+        line = (
             f"NUTS: {chains} chain(s) x {draws} draws{warmup}; max r_hat "
             f"{nuts.max_r_hat:.3f}, min ESS {nuts.min_ess:.0f}, "
             f"{nuts.num_divergences} divergences, {nuts.wall_time:.1f} s"
         )
+        weak = nuts.weakness()
+        if weak:
+            line += (f"\nWEAK REFERENCE ({weak}): the error columns are noisy or biased; "
+                     "run NUTS longer (nuts_kwargs / --nuts-samples, --nuts-warmup)")
+        return line
 
     def _header(self):
         return _HEADER if self.has_reference else _NO_REFERENCE_HEADER
@@ -549,7 +556,9 @@ def _format_site(row):
 
 
 def _reduce_max(t):
+    # constant coordinates (an LKJ factor's fixed entries) have no R-hat or ESS: left out
     t = torch.as_tensor(t).reshape(-1)
+    t = t[torch.isfinite(t)]
     return float(t.max()) if t.numel() else math.nan
 
 
@@ -648,8 +657,10 @@ def _steps(name, num_steps, progress):
         return range(num_steps)
     from tqdm.auto import tqdm
 
+    # disable=None: no bar where stderr is not a terminal (a log file gets the one-line
+    # summaries, not thousands of carriage-return updates)
     return tqdm(range(num_steps), desc=f"  {name}", file=sys.stderr, leave=False,
-                mininterval=0.5, dynamic_ncols=True)
+                mininterval=0.5, dynamic_ncols=True, disable=None)
 
 
 def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True):
@@ -789,6 +800,15 @@ def compare(
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
     mpn = max_plate_nesting
+    # before anything runs (NUTS takes seconds to minutes): NaN data and a model that
+    # mixes particles under a plate are refused with their own message, for every row
+    with poutine.block():
+        check_observed_finite(poutine.trace(model).get_trace(*args, **kwargs))
+    check_vectorized_log_joint(model, None, args, kwargs, mpn + 1)
+    model, held = _hold_model_parameters(model, args, kwargs)
+    if held:
+        _say(progress, "model parameters held at these values in every row (NUTS cannot "
+                       "learn them): " + ", ".join(f"{k} = {v}" for k, v in held.items()))
 
     _warm_up(model, args, kwargs, mpn)
     pyro.set_rng_seed(seed)
@@ -820,6 +840,8 @@ def compare(
             nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=mpn,
                             progress_bar=progress, **run_kwargs, **kwargs)
         _say(progress, f"  done in {nuts.wall_time:.1f} s")
+        if nuts.weakness():
+            _say(progress, f"  weak reference: {nuts.weakness()}")
     else:
         ran_nuts = False
         nuts_memory = PeakMemory()  # not measured: peak_mb stays nan
@@ -874,9 +896,49 @@ def compare(
         "lr": lrs,
         "nuts": nuts is not None,
         "diagnostics": bool(diagnostics),
+        "held_model_parameters": held,
     }
     return ComparisonResult(ordered, nuts, None if nuts is None else _split_metrics(nuts),
                             settings, nuts_peak_mb=nuts_memory.peak_mb, nuts_ksd=nuts_ksd)
+
+
+class _HeldParameters(Messenger):
+    """Answers the model's ``pyro.param`` calls with fixed values and hides them from
+    every outer handler, so that no optimiser trains them."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def _pyro_param(self, msg):
+        if msg["name"] in self.values:
+            msg["value"] = self.values[msg["name"]]
+            msg["done"] = True
+            msg["stop"] = True
+
+
+def _hold_model_parameters(model, args, kwargs):
+    """``(model, {name: value})``: a model with ``pyro.param`` sites gets them fixed at
+    their values now (the parameter store's, else their initial ones) and hidden from every
+    optimiser, so that every row, NUTS (which cannot learn them) included, uses the same
+    values."""
+    with torch.no_grad(), poutine.block():
+        trace = poutine.trace(model).get_trace(*args, **kwargs)
+    values = {
+        name: site["value"].detach().clone()
+        for name, site in trace.nodes.items()
+        if site["type"] == "param"
+    }
+    if not values:
+        return model, {}
+    return _HeldParameters(values)(model), {k: _short(v) for k, v in values.items()}
+
+
+def _short(value):
+    value = torch.as_tensor(value).detach()
+    if value.numel() == 1:
+        return float(value)
+    return f"tensor of shape {tuple(value.shape)}"
 
 
 def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):

@@ -19,7 +19,12 @@ from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["NUTSResult", "check_continuous_latents", "run_nuts"]
+__all__ = ["MAX_R_HAT", "MIN_ESS", "NUTSResult", "check_continuous_latents", "run_nuts"]
+
+#: a reference with a larger R-hat is flagged as weak (Vehtari et al. 2021)
+MAX_R_HAT = 1.01
+#: a reference with a smaller effective sample size is flagged as weak (idem)
+MIN_ESS = 400
 
 
 @dataclasses.dataclass
@@ -51,19 +56,75 @@ class NUTSResult:
     seeds: list = dataclasses.field(default_factory=list)
     diverging_draws: list = dataclasses.field(default_factory=list)
 
+    def _finite(self, key):
+        values = [d[key].reshape(-1) for d in self.diagnostics.values()]
+        values = torch.cat(values) if values else torch.zeros(0)
+        return values[torch.isfinite(values)]
+
     @property
     def max_r_hat(self):
-        """Largest R-hat over all sites and coordinates (``nan`` if any is ``nan``)."""
-        values = [d["r_hat"].reshape(-1) for d in self.diagnostics.values()]
-        values = torch.cat(values) if values else torch.zeros(0)
+        """Largest R-hat over all sites and coordinates. Coordinates that are constant in
+        every chain (the fixed entries of an LKJ Cholesky factor) have none and are left
+        out; ``nan`` only if no coordinate has one."""
+        values = self._finite("r_hat")
         return float(values.max()) if values.numel() else math.nan
 
     @property
     def min_ess(self):
-        """Smallest effective sample size over all sites and coordinates."""
-        values = [d["ess"].reshape(-1) for d in self.diagnostics.values()]
-        values = torch.cat(values) if values else torch.zeros(0)
+        """Smallest effective sample size over all sites and (non-constant) coordinates."""
+        values = self._finite("ess")
         return float(values.min()) if values.numel() else math.nan
+
+    def weakness(self):
+        """Why this run is a weak reference (``None`` if it is not): an R-hat above
+        :data:`MAX_R_HAT` or an effective sample size below :data:`MIN_ESS` (Vehtari et al.
+        2021), or divergences. Its error columns are then noisy or biased."""
+        reasons = []
+        if self.max_r_hat > MAX_R_HAT:
+            reasons.append(f"max r_hat {self.max_r_hat:.3f} > {MAX_R_HAT}")
+        if self.min_ess < MIN_ESS:
+            reasons.append(f"min ESS {self.min_ess:.0f} < {MIN_ESS}")
+        if self.num_divergences:
+            reasons.append(f"{self.num_divergences} divergences")
+        return "; ".join(reasons) or None
+
+
+def _full_data_space(model, args, kwargs, max_plate_nesting):
+    """The model's :class:`~pyro_implicit.latent.LatentSpace` when it subsamples a plate
+    (NUTS then samples its full-data posterior through a potential function), else
+    ``None``."""
+    from ..latent import LatentSpace, _is_subsampled, plate_nesting
+
+    rng = pyro.util.get_rng_state()
+    try:
+        with torch.no_grad(), poutine.block():
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+    finally:
+        pyro.util.set_rng_state(rng)
+    if not _is_subsampled(trace):
+        return None
+    mpn = plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
+    space = LatentSpace.from_model(model, args, kwargs, mpn)
+    if not space.subsample_plates:
+        raise ValueError(
+            "the model subsamples a plate whose minibatches cannot be enumerated, so NUTS "
+            "has no full-data likelihood to sample: run the reference without subsampling "
+            "(subsample_size=None)"
+        )
+    return space
+
+
+def _full_data_kernel(space, args, kwargs, nuts_kwargs):
+    """NUTS on the packed unconstrained latent of a subsampled model, whose potential is
+    minus the full-data log-density (the mean of minibatches covering every index, see
+    :meth:`~pyro_implicit.latent.LatentSpace.log_density`): a stochastic minibatch
+    potential would break NUTS's energy conservation."""
+
+    def potential(params):
+        return -space.log_density(params["u"].unsqueeze(0), args, kwargs)[0]
+
+    options = {k: v for k, v in nuts_kwargs.items() if k != "max_plate_nesting"}
+    return NUTS(potential_fn=potential, **options), {"u": space.init_loc.clone()}
 
 
 def check_continuous_latents(model, *args, **kwargs):
@@ -131,6 +192,10 @@ def run_nuts(
         (e.g. ``target_accept_prob``, ``init_strategy``).
     :param kwargs: keyword arguments of ``model`` (so ``model`` may not take keywords
         named like the parameters above).
+    A model that subsamples a plate (``pyro.plate(..., subsample_size=...)``) is sampled
+    on its full data: NUTS runs on the packed unconstrained latent with minus the full-data
+    log-density as its potential (minibatch potentials would break NUTS).
+
     :return: samples in the constrained space, convergence diagnostics and timing.
     :rtype: NUTSResult
     :raises ValueError: if the model has a discrete latent site, or for invalid counts.
@@ -146,6 +211,7 @@ def run_nuts(
     if max_plate_nesting is not None:
         nuts_kwargs["max_plate_nesting"] = max_plate_nesting
     seeds = _chain_seeds(seed, num_chains)
+    space = _full_data_space(model, args, kwargs, max_plate_nesting)
 
     start = time.perf_counter()
     rng_state = pyro.util.get_rng_state()
@@ -155,15 +221,24 @@ def run_nuts(
         chains, diverging, acceptance = [], [], []
         for chain_seed in seeds:
             pyro.set_rng_seed(chain_seed)
+            if space is None:
+                kernel, initial = NUTS(model, **nuts_kwargs), None
+            else:
+                kernel, initial = _full_data_kernel(space, args, kwargs, nuts_kwargs)
             mcmc = MCMC(
-                NUTS(model, **nuts_kwargs),
+                kernel,
                 num_samples=num_samples,
                 warmup_steps=warmup_steps,
                 num_chains=1,
                 disable_progbar=not progress_bar,
+                initial_params=initial,
             )
             mcmc.run(*args, **kwargs)
-            chains.append(mcmc.get_samples(group_by_chain=True))
+            draws = mcmc.get_samples(group_by_chain=True)
+            if space is not None:
+                packed = draws["u"].reshape(-1, space.latent_dim)
+                draws = {k: v.unsqueeze(0) for k, v in space.site_values(packed).items()}
+            chains.append(draws)
             chain_diag = mcmc.diagnostics()
             diverging.append(list(chain_diag.get("divergences", {}).get("chain 0", [])))
             acceptance.append(float(chain_diag.get("acceptance rate", {}).get("chain 0", math.nan)))
