@@ -328,6 +328,14 @@ def _header(args, spec):
     return "\n".join(lines)
 
 
+#: what loo.csv is and is not (written beside it)
+LOO_NOTE = (
+    "loo.csv (az.compare of the ArviZ exports) treats each approximation as if it were the "
+    "posterior: it ranks predictive fit on these data, not fidelity to NUTS. A fit can "
+    "score well there and still be far from the posterior; the table above measures that."
+)
+
+
 def _loo_tables(result, spec, mpn, seed):
     """``az.compare`` of the ArviZ exports of every row, one table per observed site
     (LOO needs one pointwise log-likelihood), or ``None`` with the reason.
@@ -390,10 +398,13 @@ def write_report(folder, result, spec, mpn, args, header, total):
         data["loo"] = next(iter(tables.values())) if len(tables) == 1 else tables
     else:
         data["loo"] = {"skipped": why}
+    data["loo_note"] = LOO_NOTE
     path = os.path.join(folder, "table.md")
     with open(path, "w") as f:
         f.write("```text\n" + header + "\n```\n\n" + result.to_markdown() + "\n\n"
                 + result.to_markdown(per_site=True) + "\n")
+        if loo is not None:
+            f.write("\n" + LOO_NOTE + "\n")
     written.append(path)
     path = os.path.join(folder, "comparison.json")
     with open(path, "w") as f:

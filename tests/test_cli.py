@@ -128,6 +128,9 @@ def test_user_file_and_report(user_file, tmp_path, capsys):
     assert [r["method"] for r in data["rows"]] == ["autonormal", "wsvgd", "nuts"]
     assert len(data["methods"]["autonormal"]["losses"]) == SMOKE_CAPS["steps"]
     assert set(data["loo"]) == {"nuts", "autonormal", "wsvgd"}
+    # LOO ranks predictive fit, not fidelity: said beside it
+    assert "not fidelity to NUTS" in data["loo_note"]
+    assert "not fidelity to NUTS" in (report / "table.md").read_text()
     assert data["nuts"]["num_chains"] == 2 and "mu" in data["nuts"]["sites"]
     # the printed table and the JSON hold the same numbers
     row = data["rows"][0]

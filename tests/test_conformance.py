@@ -296,11 +296,6 @@ def _assert_in_support(site, values, what):
 
 
 # ----------------------------------------------------------------------------- the grid
-@pytest.mark.xfail(
-    strict=True,
-    reason="README's AutoNormal x LIVI_ELBO cell says 'no', but LIVI_ELBO trains a guide with "
-    "a density as Trace_ELBO does; paste grid_table() into the README and drop this mark",
-)
 def test_readme_grid_is_rendered_from_the_tested_list():
     with open("README.md") as f:
         readme = f.read()

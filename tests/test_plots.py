@@ -88,3 +88,18 @@ def test_regression_predictive_plot():
     expected = bnn.forward({k: method[k] for k in ("layer0", "layer1")}, x).mean(0)
     assert torch.allclose(torch.as_tensor(method_line.get_ydata()), expected, atol=1e-10)
     assert ax.get_title() == "m"
+
+
+def test_default_coordinates_skip_constant_ones_and_follow_the_method():
+    """An LKJ factor's fixed entries (constant in every draw) make no panel, and the
+    coordinates come in the method's (the model's) site order, not the reference's."""
+    chol = torch.zeros(300, 2, 2)
+    chol[:, 0, 0] = 1.0
+    chol[:, 1, 0] = torch.rand(300) - 0.5
+    chol[:, 1, 1] = (1 - chol[:, 1, 0] ** 2).sqrt()
+    _, names = select_coordinates({"L": chol})
+    assert names == ["L[1,0]", "L[1,1]"]
+    method = {"z": torch.randn(50), "a": torch.randn(50)}
+    reference = {"a": torch.randn(300), "z": torch.randn(300)}  # NUTS: sorted
+    fig = pair_plot(method, reference)
+    assert [ax.get_xlabel() for ax in fig.axes if ax.get_xlabel()] == ["z", "a"]

@@ -46,7 +46,8 @@ def select_coordinates(samples, coords=None, max_coords=6):
     :param dict samples: site name -> ``(S, ...)`` draws (the reference's sites).
     :param coords: site names (all of a site's coordinates) and/or coordinate names such
         as ``"theta[3]"``, ``"beta[0]"``; ``None`` takes the first ``max_coords``
-        coordinates in site order.
+        coordinates in site order that vary (constant ones, such as the fixed entries of an
+        LKJ Cholesky factor, make empty panels).
     :param int max_coords: cap on the number of coordinates.
     :return: ``(x, names)``: ``(S, K)`` float64 draws and the K coordinate names.
     :rtype: tuple[torch.Tensor, list[str]]
@@ -54,7 +55,10 @@ def select_coordinates(samples, coords=None, max_coords=6):
     """
     x, names = flatten_samples(samples)
     if coords is None:
-        keep = list(range(min(max_coords, len(names))))
+        spread = x.std(0) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=x.dtype)
+        varying = [i for i in range(len(names))
+                   if spread[i] > 1e-12 * (1 + float(x[:, i].abs().max()))]
+        keep = (varying or list(range(len(names))))[:max_coords]
     else:
         if isinstance(coords, str):
             coords = [coords]
@@ -93,6 +97,9 @@ def pair_plot(samples, reference, coords=None, max_coords=6, label="method",
     :param int seed: seed of the thinning (a private generator).
     :rtype: matplotlib.figure.Figure
     """
+    # the method's site order (the model's), not the reference's (NUTS sorts its sites)
+    reference = {k: reference[k] for k in list(samples) + list(reference)
+                 if k in reference and k in samples}
     ref, names = select_coordinates(reference, coords, max_coords)
     full, all_names = flatten_samples({k: samples[k] for k in reference})
     index = {n: i for i, n in enumerate(all_names)}
@@ -123,8 +130,10 @@ def pair_plot(samples, reference, coords=None, max_coords=6, label="method",
             else:
                 ax.scatter(ref_pts[:, j], ref_pts[:, i], s=3, color=NUTS_COLOR, alpha=0.35,
                            linewidths=0)
-                ax.scatter(draw_pts[:, j], draw_pts[:, i], s=3, color=METHOD_COLOR,
-                           alpha=0.35, linewidths=0)
+                # a small set (particles) is drawn larger and opaque, so it stays visible
+                few = draw_pts.shape[0] <= 200
+                ax.scatter(draw_pts[:, j], draw_pts[:, i], s=10 if few else 3,
+                           color=METHOD_COLOR, alpha=0.9 if few else 0.35, linewidths=0)
             if i == k - 1:
                 ax.set_xlabel(names[j])
             if j == 0 and i > 0:
