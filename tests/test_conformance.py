@@ -720,9 +720,6 @@ _KNOWN_MISSES = {
     # measured: sd ratios 0.40-0.67; SIVI's mixture over a conditional of sd 1e-3 is
     # nearly degenerate (LinearizedGuide's docstring: useful only when sigma is large)
     "LinearizedGuide+SIVI_ELBO": "too narrow: sd ratios 0.40-0.67",
-    # measured: mean 3.5 posterior sds off; no preconditioner, so the paper's prior
-    # contrast (issue #21 item 9, the KIVI defaults)
-    "AutoNormal+KernelRatioELBO": "mean 3.5 sds off with the prior contrast",
 }
 
 

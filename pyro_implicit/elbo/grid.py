@@ -35,7 +35,8 @@ GRID = (
     ("LinearizedGuide", "KernelRatioELBO", True, "yes"),
     ("LinearizedGuide", "SIVI_ELBO", True, "yes"),
     ("LinearizedGuide", "LIVI_ELBO", True, "yes"),
-    ("AutoNormal", "KernelRatioELBO", True, "yes"),
+    # exact_sites="auto": a guide's density is used, never estimated
+    ("AutoNormal", "KernelRatioELBO", True, "yes (= `Trace_ELBO`)"),
     ("AutoNormal", "SIVI_ELBO", True, "yes (= `Trace_ELBO`)"),
     # a guide with a density has nothing for LIVI to linearise: the ordinary ELBO
     ("AutoNormal", "LIVI_ELBO", True, "yes (= `Trace_ELBO`)"),

@@ -200,7 +200,12 @@ class KernelRatioELBO(ImplicitELBO):
         implicit guides. Every latent site not drawn by an implicit guide must then be named
         here, and a site drawn by an implicit guide is refused. The split needs the prior
         to factorise between these sites and the rest (true of KIVI's BNNs: weights and
-        precision are independent); a prior link between them is refused.
+        precision are independent); a prior link between them is refused. The default
+        ``"auto"`` takes every site not drawn by an implicit guide (so with Pyro's
+        ``AutoNormal`` alone the loss is ``Trace_ELBO``'s: a density is never replaced
+        by an estimate of it), unless the prior links such a site with a kernel-estimated
+        one, in which case every site is kernel-estimated; ``()`` kernel-estimates every
+        site, as the paper does.
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the particle
         plate (see :func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`).
@@ -235,14 +240,17 @@ class KernelRatioELBO(ImplicitELBO):
         per_group=True,
         adaptive_contrast="auto",
         contrast_rate=0.0,
-        exact_sites=(),
+        exact_sites="auto",
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
     ):
-        if isinstance(exact_sites, str):
-            exact_sites = (exact_sites,)
-        self.exact_sites = tuple(exact_sites)
+        if exact_sites == "auto":
+            self.exact_sites = "auto"
+        else:
+            if isinstance(exact_sites, str):
+                exact_sites = (exact_sites,)
+            self.exact_sites = tuple(exact_sites)
         if regularizer <= 0:
             raise ValueError(f"regularizer must be positive, got {regularizer}")
         if not 0 < clip < 1:
@@ -420,8 +428,9 @@ class KernelRatioELBO(ImplicitELBO):
         latents = {site["name"]: site for site in self.latent_sites(model_trace)}
         self.diagnostics = {}
         links = self._prior_links(model, args, kwargs) if len(latents) > 1 else set()
-        latent_term = self._exact_term(latents, guide_trace, links)
-        names = [name for name in latents if name not in self.exact_sites]
+        exact_sites = self._resolve_exact_sites(latents, guide_trace, links)
+        latent_term = self._exact_term(latents, guide_trace, links, exact_sites)
+        names = [name for name in latents if name not in exact_sites]
         _refuse_subsampled_latents([latents[name] for name in names])
         ac, preconditioners = self._contrast_kind(guide_trace, names)
         if names and not ac:  # adaptive contrast differentiates log p(z) itself
@@ -512,21 +521,31 @@ class KernelRatioELBO(ImplicitELBO):
                 term = term + (log_p - log_p.detach())
         return term
 
-    def _exact_term(self, latents, guide_trace, links):
+    def _resolve_exact_sites(self, latents, guide_trace, links):
+        """The sites whose KL term is exact: :attr:`exact_sites`, or with ``"auto"`` every
+        latent site not drawn by an implicit guide (none if the prior links one of them
+        with a kernel-estimated site)."""
+        if self.exact_sites != "auto":
+            return self.exact_sites
+        implicit = _implicitly_drawn(guide_trace)
+        exact = tuple(name for name in latents if name not in implicit)
+        if links and exact and len(exact) < len(latents):
+            if any((a in exact) != (b in exact) for a, b in links
+                   if a in latents and b in latents):
+                return ()
+        return exact
+
+    def _exact_term(self, latents, guide_trace, links, exact_sites):
         r""":math:`\mathbb E_q[\log p(z) - \log q(z)]` over :attr:`exact_sites`, from the
         densities in the two traces with Pyro's own scaling (as ``Trace_ELBO``): the
         model's prior of those sites against every guide site that has a density and is
         not an implicit guide's record of a kernel-estimated site (an autoguide's
         auxiliary site and its ``biject_to`` Jacobian Delta both count)."""
-        if not self.exact_sites:
+        if not exact_sites:
             return 0.0
         n, mpn = self.num_particles, self.max_plate_nesting
-        implicit = {
-            name
-            for site in implicit_guide_sites(guide_trace)
-            for name in implicit_site_info(site)["guide"]._unconstrained_shapes
-        }
-        for name in self.exact_sites:
+        implicit = _implicitly_drawn(guide_trace)
+        for name in exact_sites:
             if name not in latents:
                 raise ValueError(
                     f"exact_sites names {name!r}, which is not a latent site of the model "
@@ -539,7 +558,7 @@ class KernelRatioELBO(ImplicitELBO):
                     "AutoGuideList, with the implicit guide built on "
                     f"poutine.block(model, hide=[{name!r}])), or leave it to the kernel estimate"
                 )
-        unnamed = sorted(set(latents) - implicit - set(self.exact_sites))
+        unnamed = sorted(set(latents) - implicit - set(exact_sites))
         if unnamed:
             raise ValueError(
                 f"latent sites {unnamed} are drawn by a guide with a density but are not in "
@@ -547,7 +566,7 @@ class KernelRatioELBO(ImplicitELBO):
                 "guide, so that the guide's log-density is split correctly"
             )
         if links:
-            exact = set(self.exact_sites)
+            exact = set(exact_sites)
             crossing = sorted(
                 (a, b)
                 for a, b in links
@@ -555,11 +574,11 @@ class KernelRatioELBO(ImplicitELBO):
             )
             if crossing:
                 raise ValueError(
-                    f"exact_sites {list(self.exact_sites)} and the other latent sites have "
+                    f"exact_sites {list(exact_sites)} and the other latent sites have "
                     f"linked priors {crossing}: the exact and kernel KL terms add up to the "
                     "KL only when the prior factorises between them"
                 )
-        log_p = sum(particle_sum(latents[name]["log_prob"], n, mpn) for name in self.exact_sites)
+        log_p = sum(particle_sum(latents[name]["log_prob"], n, mpn) for name in exact_sites)
         log_q = sum(
             particle_sum(site["log_prob"], n, mpn)
             for site in guide_trace.nodes.values()
@@ -568,12 +587,21 @@ class KernelRatioELBO(ImplicitELBO):
             and site["name"] not in implicit
         )
         value = (log_p - log_q).mean()
-        self.diagnostics["+".join(self.exact_sites)] = {
+        self.diagnostics["+".join(exact_sites)] = {
             "kl": -value.item(),
             "clipped_fraction": 0.0,
             "exact": True,
         }
         return value
+
+
+def _implicitly_drawn(guide_trace):
+    """Names of the latent sites drawn by an implicit guide (no density) in this trace."""
+    return {
+        name
+        for site in implicit_guide_sites(guide_trace)
+        for name in implicit_site_info(site)["guide"]._unconstrained_shapes
+    }
 
 
 def _latent_groups(guide):
