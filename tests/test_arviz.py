@@ -190,3 +190,11 @@ def test_predictive_samples_at_new_inputs():
     assert torch.allclose(out["obs"], out["f"], atol=1e-4)
     with pytest.raises(ValueError, match=r"no latent sites \['v'\]"):
         predictive_samples(regression, (x,), draws={"v": w}, max_plate_nesting=1)
+
+
+def test_a_misplaced_argument_is_named(comparison, data):
+    guide = comparison.methods["autonormal"].approximation
+    with pytest.raises(TypeError, match="kwargs must be a dict.*source="):
+        to_inference_data(vector_model, data, guide)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        to_inference_data(vector_model, data[0], source=guide)

@@ -39,6 +39,7 @@ with 0.23). On ArviZ 1.x (Python >= 3.12) the same groups are wrapped as an
 import datetime
 import math
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import pyro
@@ -132,6 +133,23 @@ def _dataset(arrays, dims, attrs, sample_dims=("chain", "draw")):
             coords.setdefault(d, np.arange(size))
         variables[name] = (site_dims, value)
     return xr.Dataset(variables, coords=coords, attrs=attrs)
+
+
+def _model_arguments(args, kwargs, who):
+    """``(args, kwargs)`` checked: the model's positional arguments as a tuple and its
+    keyword arguments as a dict (a guide or draws passed where they belong is named)."""
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"{who}(model, args, kwargs, source, ...): kwargs must be a dict of the model's "
+            f"keyword arguments (or None), got {type(kwargs).__name__}; pass the fit as "
+            "source=..."
+        )
+    if isinstance(args, (str, Mapping)) or not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"{who}: args must be a tuple of the model's positional arguments, got "
+            f"{type(args).__name__} (a single argument x is passed as (x,))"
+        )
+    return tuple(args), dict(kwargs or {})
 
 
 def _attrs(extra=None):
@@ -234,8 +252,7 @@ def predictive_samples(model, args=(), kwargs=None, draws=None, sites=None,
     :return: ``{site: (S, *site_shape)}`` detached.
     :rtype: dict
     """
-    kwargs = dict(kwargs or {})
-    args = tuple(args)
+    args, kwargs = _model_arguments(args, kwargs, "predictive_samples")
     prototype = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
@@ -357,8 +374,7 @@ def to_inference_data(
     :return: ``arviz.InferenceData`` on ArviZ 0.x, ``xarray.DataTree`` on 1.x.
     :raises ValueError: if the model does not broadcast over the draw plate.
     """
-    kwargs = dict(kwargs or {})
-    args = tuple(args)
+    args, kwargs = _model_arguments(args, kwargs, "to_inference_data")
     if source is None:
         raise TypeError("to_inference_data needs a source: an MCMC, guide, particles or draws")
     prototype = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
