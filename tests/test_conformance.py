@@ -716,24 +716,11 @@ def _default_fit(method, model, args):
     return Predictive(model, guide=guide, num_samples=2000)(*args)["w"].reshape(2000, 3)
 
 
-_KNOWN_MISSES = {
-    # measured: sd ratios 0.40-0.67; SIVI's mixture over a conditional of sd 1e-3 is
-    # nearly degenerate (LinearizedGuide's docstring: useful only when sigma is large)
-    "LinearizedGuide+SIVI_ELBO": "too narrow: sd ratios 0.40-0.67",
-}
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not RUN_SLOW, reason="slow (1000 steps a method): PYRO_IMPLICIT_SLOW=1")
 @pytest.mark.parametrize(
     "method",
-    [
-        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_MISSES[m.name]))
-        if m.name in _KNOWN_MISSES
-        else m
-        for m in METHODS
-        if m.name != "fsvgd"
-    ],
+    [m for m in METHODS if m.name != "fsvgd"],
     ids=str,
 )
 def test_dirichlet_categorical_posterior(method):

@@ -33,7 +33,8 @@ GRID = (
     ("SemiImplicitGuide", "SIVI_ELBO", True, "yes"),
     ("SemiImplicitGuide", "LIVI_ELBO", False, "no"),
     ("LinearizedGuide", "KernelRatioELBO", True, "yes"),
-    ("LinearizedGuide", "SIVI_ELBO", True, "yes"),
+    # at the default sigma = 1e-3 the mixture estimate collapses q: refused below 0.1
+    ("LinearizedGuide", "SIVI_ELBO", False, "with `sigma` >= 0.1 only"),
     ("LinearizedGuide", "LIVI_ELBO", True, "yes"),
     # exact_sites="auto": a guide's density is used, never estimated
     ("AutoNormal", "KernelRatioELBO", True, "yes (= `Trace_ELBO`)"),

@@ -72,7 +72,8 @@ class LinearizedGuide(ImplicitAutoGuide):
 
     Train it with :class:`~pyro_implicit.elbo.LIVI_ELBO` (eq. 15 or 18); it also works
     with :class:`~pyro_implicit.elbo.SIVI_ELBO` (as a semi-implicit guide, useful only
-    when :math:`\sigma` is comparable to the posterior's spread) and
+    when :math:`\sigma` is comparable to the posterior's spread: ``SIVI_ELBO`` refuses
+    :math:`\sigma < 0.1`, whose mixture estimate collapses q) and
     :class:`~pyro_implicit.elbo.KernelRatioELBO` (sampling only). Plain ``Trace_ELBO``
     raises instead of silently dropping the entropy.
 
