@@ -152,7 +152,7 @@ def markdown(record):
             if row["status"] != "ok":
                 body = [cells.get(c, f"failed at {row['failed_at']}" if c >= row["failed_at"]
                                   else "-") for c in cols]
-            tail = ""
+            tail = " |"
             if method == "kivi":
                 last = row["trace"][-1] if row["trace"] else {}
                 tail = (f" | {last.get('clipped', math.nan):.2f} | "
@@ -189,7 +189,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     p.add_argument("--markdown")
+    p.add_argument("--from-json", help="only rewrite --markdown from this results file")
     args = p.parse_args(argv)
+    if args.from_json:
+        Path(args.markdown).write_text(markdown(json.loads(Path(args.from_json).read_text()))
+                                       + "\n")
+        return
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     argv = sys.argv[1:] if argv is None else argv
