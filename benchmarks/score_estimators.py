@@ -1,0 +1,83 @@
+"""Sample-based score estimators of a Gaussian q (spectral Stein, Shi, Sun & Zhu 2018; Stein
+gradient estimator, Li & Turner 2018) against the exact score, and the entropy gradient of a
+linear generator u = A z they imply against the exact A^{-T}: can a score estimate of q
+replace the kernel ratio (issue #26, item 3)?
+
+For each dimension d, 100 draws of q = N(0, A A^T) with A = I + N(0, 1/d): the relative
+error of the estimated score at the draws, and of E[s(u) z^T] against -A^{-T}, averaged over
+5 draws of A, for a grid of settings (RBF bandwidth: the median-heuristic scale times
+``scale``; SSGE's number of eigenfunctions J; the Stein estimator's ridge eta).
+
+Usage::
+
+    python benchmarks/score_estimators.py > benchmarks/results/score_estimators.md
+"""
+
+import math
+
+import torch
+
+
+def _kernel(x, scale):
+    m = x.shape[0]
+    d2 = torch.cdist(x, x).pow(2)
+    w2 = scale * d2[~torch.eye(m, dtype=torch.bool)].median()
+    return torch.exp(-d2 / (2 * w2)), w2
+
+
+def ssge(x, num_eigen, scale=1.0):
+    """Spectral Stein gradient estimator at the draws themselves (Nystrom, in-sample)."""
+    m = x.shape[0]
+    k, w2 = _kernel(x, scale)
+    lam, u = torch.linalg.eigh(k + 1e-8 * torch.eye(m))
+    lam, u = lam.flip(0)[:num_eigen], u.flip(1)[:, :num_eigen]
+    c = k.sum(1)
+    beta = (u * (lam[None] - c[:, None])).T @ x / lam[:, None]
+    return u @ beta / w2
+
+
+def stein(x, eta, scale=1.0):
+    """Stein gradient estimator: -(K + eta I)^{-1} <grad, K>."""
+    m = x.shape[0]
+    k, w2 = _kernel(x, scale)
+    grad_k = (x * k.sum(1)[:, None] - k @ x) / w2
+    return -torch.linalg.solve(k + eta * torch.eye(m), grad_k)
+
+
+def errors(estimator, dim, num=100, reps=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    score_err, grad_err = [], []
+    for _ in range(reps):
+        a = torch.randn(dim, dim, generator=g) / math.sqrt(dim) + torch.eye(dim)
+        z = torch.randn(num, dim, generator=g)
+        x = z @ a.T
+        s = estimator(x)
+        exact = -torch.linalg.solve(a @ a.T, x.T).T
+        score_err.append(float((s - exact).norm() / exact.norm()))
+        grad = -(s.T @ z) / num
+        target = torch.linalg.inv(a).T
+        grad_err.append(float((grad - target).norm() / target.norm()))
+    return sum(score_err) / reps, sum(grad_err) / reps
+
+
+def main():
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    print("# Score estimators of a Gaussian q from 100 draws\n")
+    print("`python benchmarks/score_estimators.py`. Cells: relative error of the score / "
+          "of the entropy gradient, mean of 5 draws of A.\n")
+    print("| estimator | setting | d = 2 | d = 10 | d = 50 |")
+    print("|---|---|---|---|---|")
+    for scale in (0.5, 1.0, 2.0):
+        for j in (6, 12, 25, 50):
+            cells = [errors(lambda x, j=j, s=scale: ssge(x, j, s), d) for d in (2, 10, 50)]
+            print(f"| SSGE | scale {scale}, J = {j} | "
+                  + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
+        for eta in (1e-3, 1e-2, 1e-1, 1.0):
+            cells = [errors(lambda x, e=eta, s=scale: stein(x, e, s), d) for d in (2, 10, 50)]
+            print(f"| Stein | scale {scale}, eta = {eta:g} | "
+                  + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
