@@ -47,6 +47,16 @@ KIVI_VARIANTS = [
     ("lr 1e-3", {}, {}, 1e-3),
 ]
 
+#: combinations of the single factors that helped (``--set combined``)
+KIVI_COMBINED = [
+    ("400 particles + contrast rate 0.1", {}, {"num_particles": 400, "contrast_rate": 0.1},
+     1e-2),
+    ("contrast rate 0.1 + lr 3e-3", {}, {"contrast_rate": 0.1}, 3e-3),
+    ("400 particles + lr 3e-3", {}, {"num_particles": 400}, 3e-3),
+    ("200 particles + contrast rate 0.1 + lr 3e-3", {},
+     {"num_particles": 200, "contrast_rate": 0.1}, 3e-3),
+]
+
 #: SVGD variants: (label, WeightSpaceSVGD kwargs, lr)
 SVGD_VARIANTS = [
     ("default (100, median)", {}, 1e-2),
@@ -170,7 +180,8 @@ def _jobs(name, reference, methods, args):
     """``(method, variant, thunk)`` for every variant of the chosen methods."""
     jobs = []
     if "kivi" in methods:
-        for label, guide_kwargs, loss_kwargs, lr in KIVI_VARIANTS:
+        variants = KIVI_COMBINED if args.set == "combined" else KIVI_VARIANTS
+        for label, guide_kwargs, loss_kwargs, lr in variants:
             jobs.append(("kivi", label, lambda g=guide_kwargs, lo=loss_kwargs, lr=lr: fit_kivi(
                 name, g, lo, lr, args.steps, args.every, args.seed, reference)))
     if "svgd" in methods:
@@ -190,6 +201,8 @@ def main(argv=None):
     p.add_argument("--out")
     p.add_argument("--markdown")
     p.add_argument("--from-json", help="only rewrite --markdown from this results file")
+    p.add_argument("--set", choices=["single", "combined"], default="single",
+                   help="KIVI variants: one factor at a time, or combinations")
     args = p.parse_args(argv)
     if args.from_json:
         Path(args.markdown).write_text(markdown(json.loads(Path(args.from_json).read_text()))
@@ -203,7 +216,8 @@ def main(argv=None):
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, cwd=Path(__file__).parent).stdout.strip(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "settings": {"steps": args.steps, "every": args.every, "seed": args.seed},
+        "settings": {"steps": args.steps, "every": args.every, "seed": args.seed,
+                     "set": args.set},
         "rows": [],
     }
     methods = args.methods.split(",")
