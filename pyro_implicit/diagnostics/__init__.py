@@ -8,6 +8,9 @@
 * :mod:`.importance`: PSIS for guides with a log-density: :func:`psis_diagnostic`
   (k-hat), :func:`importance_weights` and :func:`importance_refine`.
 * :mod:`.draws`: :func:`posterior_draws` from any fitted approximation.
+* :mod:`.methods`: the method registry :data:`METHODS` (what ``compare`` and the command
+  line build by name); :mod:`.results`: :class:`MethodResult` and
+  :class:`ComparisonResult`.
 * :mod:`.nuts`: :func:`run_nuts`, the reference sampler.
 * :mod:`.memory`: :class:`PeakMemory`, the peak-memory column of comparisons and benchmarks.
 * :mod:`.arviz`: :func:`to_inference_data` for NUTS, guides, particles and draws, so
@@ -17,7 +20,7 @@
 """
 
 from .arviz import comparison_to_inference_data, predictive_samples, to_inference_data
-from .compare import METHODS, ComparisonResult, MethodResult, compare
+from .compare import compare
 from .draws import posterior_draws
 from .importance import (
     ImportanceResult,
@@ -28,8 +31,10 @@ from .importance import (
     psis_diagnostic,
 )
 from .memory import PeakMemory
+from .methods import METHODS
 from .metrics import compare_samples
 from .nuts import NUTSResult, run_nuts
+from .results import ComparisonResult, MethodResult
 from .stein import SteinDiscrepancy, stein_discrepancy
 
 __all__ = [

@@ -51,15 +51,10 @@ from pyro.poutine.util import site_is_subsample
 
 from .. import __version__
 from ..latent import Preconditioner
-from .compare import (
-    ComparisonResult,
-    MethodResult,
-    guess_max_plate_nesting,
-    latent_shapes,
-    posterior_draws,
-)
+from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws
 from .importance import has_log_density, psis_diagnostic
 from .nuts import NUTSResult
+from .results import ComparisonResult, MethodResult
 from .stein import stein_discrepancy
 
 __all__ = [
