@@ -412,7 +412,7 @@ def write_report(folder, result, spec, mpn, args, header, total):
     written.append(path)
     coords = args.plot_sites.split(",") if args.plot_sites else None
     for name, r in result.methods.items():
-        if result.has_reference:  # pair plots overlay NUTS
+        if result.has_reference and r.failure is None:  # pair plots overlay NUTS
             save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
                            seed=args.seed), f"pairs_{name}.png")
     if any(r.losses for r in result.methods.values()):
@@ -420,8 +420,9 @@ def write_report(folder, result, spec, mpn, args, header, total):
     from .bnn import BNNRegression
 
     bnn = (spec.extras or {}).get("bnn")
+    failed = [n for n, r in result.methods.items() if r.failure]
     if isinstance(bnn, BNNRegression) and "x_test" in spec.extras and result.has_reference:
-        draws = {n: r.samples for n, r in result.methods.items()}
+        draws = {n: r.samples for n, r in result.methods.items() if n not in failed}
         save(regression_predictive_plot(bnn, spec.extras["x_test"], draws, result.nuts.samples,
                                         y=spec.extras.get("y_test"), max_plate_nesting=mpn,
                                         seed=args.seed), "predictive.png")

@@ -245,3 +245,18 @@ def test_a_weak_reference_is_said_under_the_table(y, nuts):
     assert nuts.min_ess < 400
     weak = [line for line in result.table().splitlines() if line.startswith("WEAK REFERENCE")]
     assert len(weak) == 1 and "min ESS" in weak[0]
+
+
+def test_a_diverged_method_is_a_row_not_the_end(y, nuts):
+    """A method whose fit diverges (here: a learning rate of 1e4) is reported in its row
+    and under the table; the other rows are computed as usual."""
+    result = compare(normal_normal, y, methods=["sivi", "autonormal"], num_steps=50,
+                     num_samples=100, nuts=nuts, max_plate_nesting=1, progress=False,
+                     lr={"sivi": 1e4})
+    failed = result.methods["sivi"]
+    assert failed.failure.startswith("diverged at step") and failed.num_draws == 0
+    rows = {r["method"]: r for r in result.rows()}
+    assert math.isnan(rows["sivi"]["mean_error_max"]) and math.isnan(rows["sivi"]["ksd"])
+    assert math.isfinite(rows["autonormal"]["mean_error_max"])
+    assert "sivi: diverged at step" in result.table()
+    assert [r["method"] for r in result.site_rows()].count("sivi") == 0

@@ -518,7 +518,8 @@ def comparison_to_inference_data(result, model, args=(), kwargs=None, max_plate_
         out["nuts"] = to_inference_data(model, args, kwargs, result.nuts, method="nuts",
                                         attrs=attrs, **common)
     for name, r in result.methods.items():
-        out[name] = to_inference_data(model, args, kwargs, r, method=name, **common)
+        if r.failure is None:  # a fit that stopped has no draws to export
+            out[name] = to_inference_data(model, args, kwargs, r, method=name, **common)
     return out
 
 

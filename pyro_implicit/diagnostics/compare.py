@@ -42,7 +42,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.messenger import Messenger
 
-from ..elbo.base import check_observed_finite, check_vectorized_log_joint
+from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
 from ..latent import PreconditionerWarning
 from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws, source_kind
 from .importance import (
@@ -124,8 +124,10 @@ def _steps(name, num_steps, progress):
                 mininterval=0.5, dynamic_ncols=True, disable=None)
 
 
-def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True):
-    """Fit method ``name``; returns ``(approximation, trace)``."""
+def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True,
+         trace=None):
+    """Fit method ``name``; returns ``(approximation, trace)`` (the per-step values are
+    appended to ``trace`` as they come, so a fit that stops keeps them)."""
     method = METHODS[name]
     # Decay to lr / 10 over the run: large early steps, a quiet final iterate.
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1.0 / max(num_steps, 1))})
@@ -135,7 +137,7 @@ def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=T
     else:
         fitted, loss = method.build(model, mpn, precondition=precondition)
         step = SVI(model, fitted, optim, loss).step
-    trace = []
+    trace = [] if trace is None else trace
     bar = _steps(name, num_steps, progress)
     for i in bar:
         out = step(*args, **kwargs)
@@ -317,18 +319,28 @@ def compare(
         _say(progress, f"{label}: {num_steps} steps, lr {lrs[label]:g}")
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
+        trace = []
         with PeakMemory() as memory:
             start = time.perf_counter()
-            fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn,
-                                 progress, precondition=precondition)
-            samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn,
-                                            shapes)
+            try:
+                fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn,
+                                     progress, precondition=precondition, trace=trace)
+                samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn,
+                                                shapes)
+                failure = None
+            except DivergenceError as e:
+                # one diverged method is a result, not the end of the comparison
+                fitted, samples, kind = None, {}, "failed"
+                failure = f"diverged at step {len(trace) + 1}: {str(e).splitlines()[0]}"
             wall = time.perf_counter() - start
         results[label] = MethodResult(
             label, samples, None, wall, trace, lrs[label], description=method.description,
             kind=kind, loss_label=method.trace_label, approximation=fitted,
-            peak_mb=memory.peak_mb,
+            peak_mb=memory.peak_mb, failure=failure,
         )
+        if failure:
+            _say(progress, f"  {failure}")
+            continue
         window = trace[-max(1, num_steps // 10):]
         _say(progress, f"  done in {wall:.1f} s; last {len(window)} steps' mean "
                        f"{method.trace_label.split(' (')[0]}: {sum(window) / len(window):.4g}")
@@ -337,8 +349,8 @@ def compare(
     ordered = {}
     for label in specs:
         r = results[label]
-        r.metrics = None if nuts is None else compare_samples(r.samples, nuts.samples,
-                                                               sites=sites)
+        if r.failure is None and nuts is not None:
+            r.metrics = compare_samples(r.samples, nuts.samples, sites=sites)
         ordered[label] = r
     nuts_ksd = None
     if diagnostics:
@@ -418,6 +430,8 @@ def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):
 
         unreliable = []
         for name, r in results.items():
+            if r.failure is not None:
+                continue
             r.ksd = ksd(r.samples)
             if has_log_density(r.approximation):
                 pyro.set_rng_seed(seed)

@@ -42,6 +42,8 @@ class MethodResult:
         (``None`` with ``diagnostics=False``).
     :ivar float k_hat: PSIS k-hat of the guide (``nan`` where it has no log-density, for
         particles and draws, or with ``diagnostics=False``).
+    :ivar str failure: why the fit stopped (a ``DivergenceError``), or ``None``; a failed
+        row has no draws and ``nan`` in every column.
     """
 
     name: str
@@ -58,10 +60,13 @@ class MethodResult:
     peak_mb: float = math.nan
     ksd: object = None
     k_hat: float = math.nan
+    failure: str = None
 
     @property
     def num_draws(self):
-        """Number of posterior draws (particles for a particle method)."""
+        """Number of posterior draws (particles for a particle method; 0 for a failed fit)."""
+        if not self.samples:
+            return 0
         return int(next(iter(self.samples.values())).shape[0])
 
 
@@ -122,7 +127,7 @@ class ComparisonResult:
             return []
         diag = self.nuts_diagnostics()
         out = []
-        named = [(n, r.metrics) for n, r in self.methods.items()]
+        named = [(n, r.metrics) for n, r in self.methods.items() if r.metrics is not None]
         for name, metrics in named + [(NUTS_ROW, self.nuts_metrics)]:
             for site, m in metrics["sites"].items():
                 out.append({"method": name, "site": site, **m,
@@ -168,6 +173,10 @@ class ComparisonResult:
     def _header(self):
         return _HEADER if self.has_reference else _NO_REFERENCE_HEADER
 
+    def _failures(self):
+        """One line per fit that stopped, saying why."""
+        return [f"{name}: {r.failure}" for name, r in self.methods.items() if r.failure]
+
     def _key(self):
         key = (_KEY if self.has_reference else "") + _DIAGNOSTICS_KEY
         if any(not r.fitted_here for r in self.methods.values()):
@@ -191,7 +200,8 @@ class ComparisonResult:
 
         rule = "  ".join("-" * w for w in widths)
         body = [line(cells[0]), rule] + [line(r) for r in cells[1:]]
-        return "\n".join(body + ["", self.nuts_summary()] + textwrap.wrap(self._key(), 100))
+        return "\n".join(body + ["", self.nuts_summary()] + self._failures()
+                         + textwrap.wrap(self._key(), 100))
 
     def to_markdown(self, per_site=False):
         """The comparison as a Markdown table followed by the NUTS summary.
@@ -210,7 +220,7 @@ class ComparisonResult:
                  "|" + "|".join(["---"] * (2 if per_site else 1)
                                 + ["---:"] * (len(header) - (2 if per_site else 1))) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-        return "\n".join(lines + ["", self.nuts_summary(), "", key])
+        return "\n".join(lines + ["", self.nuts_summary()] + self._failures() + ["", key])
 
     def __str__(self):
         return self.table()
