@@ -139,7 +139,9 @@ def markdown(record):
     steps = record["settings"]["steps"]
     cols = list(range(every, steps + 1, every))
     lines = [
-        "# Why the kernel ratio and weight-space SVGD miss: one factor at a time",
+        "# Why the kernel ratio and weight-space SVGD miss: "
+        + ("the helpful factors combined" if record["settings"].get("set") == "combined"
+           else "one factor at a time"),
         "",
         f"`{record['command']}` (commit {record['commit']}, {record['date']}), float64, one "
         f"thread, seed {record['settings']['seed']}, {steps} steps, scored every {every} "
