@@ -49,9 +49,8 @@ References
 import torch
 from torch import nn
 
-from ..guides.base import ImplicitAutoGuide, default_noise_dim, implicit_site_info
-from ..guides.implicit import ImplicitGuide, _default_hidden
-from ..guides.networks import MLPGenerator
+from ..guides.base import ImplicitAutoGuide, implicit_site_info
+from ..guides.implicit import ImplicitGuide, SkipGenerator, gpvi_generator
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
 from ..latent import preconditioner_of
 from .base import ImplicitELBO, implicit_guide_sites, packed_particles
@@ -74,79 +73,6 @@ _EXACT_MAX_DIM = 64
 _PROBE_MAX_DIM = 256
 #: relative smallest singular value below which a Jacobian counts as singular
 _SINGULAR_RTOL = 1e-10
-
-
-# ---------------------------------------------------------------------------------- generator
-class SkipGenerator(nn.Module):
-    r"""GPVI's generator :math:`f(z) = g(z^{(:k)}) + \lambda z` (Ratzlaff et al. 2021, eq. 6).
-
-    ``g`` is an MLP reading only the first k noise coordinates, so it stays slim when the
-    latent size D is large, while the skip term keeps the Jacobian square,
-
-    .. math:: J_f(z) = \big[\,\partial g / \partial z^{(:k)} \;\big|\; 0_{D \times (D-k)}\big]
-        + \lambda I_D \qquad \text{(eq. 7)},
-
-    and invertible for a large enough :math:`\lambda` (the paper uses :math:`\lambda = 1`
-    throughout; nothing enforces invertibility during training).
-
-    With k < D, conditionally on :math:`z^{(:k)}` the last D - k outputs are
-    :math:`\mathcal N(g_{k:}(z^{(:k)}), \lambda^2 I)`: a noise floor of variance
-    :math:`\lambda^2` that a fixed :math:`\lambda` cannot remove (choose ``skip_scale``
-    below the posterior's scale for narrow posteriors, e.g. BNN weights). With k = D and a
-    linear g (``hidden_dims=()``), :math:`f(z) = (W + \lambda I) z + b` spans every Gaussian.
-
-    :param int dim: D, the size of both the noise and the output.
-    :param int active_dim: k, the noise coordinates g reads (default D up to 64, then
-        64-128, the library's noise-size rule).
-    :param tuple hidden_dims: hidden widths of g (default two layers, as ``ImplicitGuide``).
-    :param str activation: hidden activation of g (ReLU in the paper).
-    :param float skip_scale: :math:`\lambda` (paper: 1.0); 0 is allowed only when k = D.
-    """
-
-    def __init__(self, dim, active_dim=None, hidden_dims=None, activation="relu", skip_scale=1.0):
-        super().__init__()
-        dim = int(dim)
-        k = int(active_dim) if active_dim is not None else min(dim, default_noise_dim(dim))
-        if not 1 <= k <= dim:
-            raise ValueError(f"active_dim must lie in [1, {dim}], got {k}")
-        if skip_scale < 0 or (skip_scale == 0 and k < dim):
-            raise ValueError(
-                "skip_scale (lambda) must be positive when active_dim < dim: without the "
-                f"lambda z term the Jacobian has rank at most {k} < {dim}"
-            )
-        self.noise_dim = self.out_dim = dim
-        self.active_dim = k
-        self.skip_scale = float(skip_scale)
-        hidden = _default_hidden(k, dim) if hidden_dims is None else tuple(hidden_dims)
-        self.net = MLPGenerator(k, dim, hidden, activation)
-
-    #: the skip term alone gives the output spread lambda per coordinate (a guide that
-    #: starts at its preconditioner's Gaussian initialises g small)
-    skip_carries_spread = True
-
-    def forward(self, noise):
-        return self.net(noise[..., : self.active_dim]) + self.skip_scale * noise
-
-    def init_output(self, loc, scale):
-        """Centre the output at ``loc``; g's own spread is ``scale`` (the skip term adds
-        spread :math:`\\lambda` per coordinate on top)."""
-        self.net.init_output(loc, scale)
-
-
-def gpvi_generator(active_dim=None, hidden_dims=None, activation="relu", skip_scale=1.0):
-    """The ``generator=`` argument of :class:`~pyro_implicit.guides.ImplicitGuide` that
-    builds a :class:`SkipGenerator` over the whole latent (GPVI's eq. 6); the noise size is
-    then always D::
-
-        guide = ImplicitGuide(model, generator=gpvi_generator())
-
-    See :class:`SkipGenerator` for the arguments.
-    """
-
-    def build(noise_dim, latent_dim):
-        return SkipGenerator(latent_dim, active_dim, hidden_dims, activation, skip_scale)
-
-    return build
 
 
 # ------------------------------------------------------------------------------- the helper

@@ -2,7 +2,7 @@
 
 from .amortized import SemiImplicitEncoder
 from .base import ImplicitAutoGuide, ImplicitDelta
-from .implicit import ImplicitGuide
+from .implicit import ImplicitGuide, SkipGenerator, gpvi_generator
 from .linearized import LinearizedGuide
 from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
 from .scalable import CorrelatedMatrixGenerator
@@ -19,4 +19,6 @@ __all__ = [
     "MatrixGenerator",
     "SemiImplicitEncoder",
     "SemiImplicitGuide",
+    "SkipGenerator",
+    "gpvi_generator",
 ]
