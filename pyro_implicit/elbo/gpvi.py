@@ -46,13 +46,15 @@ References
     Adversarial Learning`, Dilin Wang, Qiang Liu, 2016 (amortised SVGD).
 """
 
+import pyro.poutine as poutine
 import torch
 from torch import nn
 
+from ..compiled import BACKENDS
 from ..guides.base import ImplicitAutoGuide, implicit_site_info
 from ..guides.implicit import ImplicitGuide, SkipGenerator, gpvi_generator
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
-from ..latent import preconditioner_of
+from ..latent import LatentSpace, preconditioner_of
 from .base import ImplicitELBO, implicit_guide_sites, packed_particles
 from .livi import jacobian
 
@@ -174,8 +176,16 @@ class _FunctionalGradientELBO(ImplicitELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
         super().__init__(num_particles, max_plate_nesting, check_vectorization, retain_graph)
+        if compile not in (None, False) and compile not in BACKENDS:
+            raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
+        #: ``"fx"`` / ``"inductor"``: after the first step, score the draws with the traced
+        #: graph of the model's log-density (:meth:`LatentSpace.compile`) instead of a Pyro
+        #: trace of the model; ``None``: always trace
+        self.compile = compile or None
+        self._spaces = {}
         self.kernel = (
             RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
             if kernel is None
@@ -226,6 +236,11 @@ class _FunctionalGradientELBO(ImplicitELBO):
             return loss.item()
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
+        space = self._spaces.get((id(model), id(guide)))
+        if space is not None and space.compiled.active:
+            out = self._traced_loss_and_surrogate(space, guide, args, kwargs)
+            if out is not None:
+                return out
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
         site, guide_obj = self._implicit_site(model_trace, guide_trace)
         n, mpn = self.num_particles, self.max_plate_nesting
@@ -261,7 +276,37 @@ class _FunctionalGradientELBO(ImplicitELBO):
             through_draws = (latent_score.detach() * latent).sum() / n
             surrogate = surrogate - (log_target.mean() - through_draws)
         self.diagnostics["log_target"] = log_target.mean().item()
+        if self.compile and not model_params and (id(model), id(guide)) not in self._spaces:
+            # checked and validated once by the step above: later steps may use the graph
+            space = LatentSpace.from_guide(guide_obj, args, kwargs, mpn - 1)
+            self._spaces[(id(model), id(guide))] = space.compile(self.compile)
         return -log_target.detach().mean(), surrogate
+
+    def _traced_loss_and_surrogate(self, space, guide, args, kwargs):
+        """The step above without a Pyro trace of the model: the guide's draws are scored by
+        the traced graph of the log-density (one minibatch where the model subsamples, as a
+        model trace would give). ``None`` when the graph is unavailable (the caller then
+        traces the model)."""
+        n, mpn = self.num_particles, self.max_plate_nesting
+        guide_trace = poutine.trace(self._vectorized_num_particles(guide)).get_trace(
+            *args, **kwargs
+        )
+        sites = implicit_guide_sites(guide_trace)
+        site = sites[0]
+        guide_obj = implicit_site_info(site)["guide"]
+        latent = packed_particles(site["value"], n, mpn)
+        out = space.score(latent.detach(), args, kwargs, full_data=False)
+        if out is None:
+            return None
+        log_target, latent_score = out
+        self._last_traces = (None, guide_trace)  # for the divergence check's message
+        score = preconditioner_of(guide_obj).whiten_score(latent_score)
+        scale = site["scale"]
+        scale = scale.item() if torch.is_tensor(scale) else float(scale)
+        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
+        surrogate = (direction.detach() * outputs).sum(-1).mean()
+        self.diagnostics["log_target"] = log_target.mean().item()
+        return -log_target.mean(), surrogate
 
     def _direction(self, guide, guide_trace, site, score, scale):
         raise NotImplementedError
@@ -383,6 +428,7 @@ class GPVI_ELBO(_FunctionalGradientELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
         if helper_steps < 1:
             raise ValueError(f"helper_steps must be positive, got {helper_steps}")
@@ -395,6 +441,7 @@ class GPVI_ELBO(_FunctionalGradientELBO):
             max_plate_nesting,
             check_vectorization,
             retain_graph,
+            compile,
         )
         if exact_jacobian not in (True, False, "auto"):
             raise ValueError(
