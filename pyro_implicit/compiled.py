@@ -132,6 +132,8 @@ class CompiledLogDensity:
             return None
         graph = self._graphs.get(key)
         if graph is None:
+            if not bool(torch.isfinite(u).all()):
+                return None  # not a reason to give up: trace at the next finite batch
             if len(self._graphs) >= self.max_signatures:
                 self._give_up(
                     f"more than {self.max_signatures} argument signatures (new data on "

@@ -46,7 +46,6 @@ References
     Adversarial Learning`, Dilin Wang, Qiang Liu, 2016 (amortised SVGD).
 """
 
-import pyro.poutine as poutine
 import torch
 from torch import nn
 
@@ -288,13 +287,15 @@ class _FunctionalGradientELBO(ImplicitELBO):
         model trace would give). ``None`` when the graph is unavailable (the caller then
         traces the model)."""
         n, mpn = self.num_particles, self.max_plate_nesting
-        guide_trace = poutine.trace(self._vectorized_num_particles(guide)).get_trace(
-            *args, **kwargs
-        )
+        # as the traced-model path does: a failure at non-finite draws names the sites
+        guide_trace = self._run_traced(self._vectorized_num_particles(guide), args, kwargs,
+                                       "the guide")
         sites = implicit_guide_sites(guide_trace)
         site = sites[0]
         guide_obj = implicit_site_info(site)["guide"]
         latent = packed_particles(site["value"], n, mpn)
+        if not bool(torch.isfinite(latent).all()):
+            return None  # the traced-model path stops it with a DivergenceError naming sites
         out = space.score(latent.detach(), args, kwargs, full_data=False)
         if out is None:
             return None
