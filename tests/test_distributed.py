@@ -80,8 +80,8 @@ def test_two_processes_match_one(method, tmp_path):
             mp.spawn(_rank, args=(2, store, str(out), method), nprocs=2)
             break
         except mp.ProcessExitedException:
-            # a gloo worker killed at exit (seen once in 18 runs here): one retry; a real
-            # error fails both attempts
+            # a gloo worker aborted at exit (3 of 13 runs before the barrier in _rank, none
+            # of 13 since): one retry; a real error fails both attempts
             if attempt:
                 raise
     distributed = torch.load(out)
