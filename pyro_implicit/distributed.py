@@ -32,6 +32,10 @@ draws the *same* particles: the averaged gradient is then the single-process gra
 the global batch at those particles, reproducible and independent of the number of ranks.
 A loss's own auxiliary optimiser (``GPVI_ELBO``'s helper network) is not synchronised.
 
+Checkpoints. Parameters and optimiser states are the same on every rank, so
+:func:`save_checkpoint` writes them once, from rank 0, with the random streams; every rank
+(of a run with any number of ranks, or one process) resumes with :func:`load_checkpoint`.
+
 References: Pyro's ``HorovodOptimizer`` (the same role, through Horovod).
 """
 
@@ -41,7 +45,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DistributedOptim", "rank_shard"]
+__all__ = ["DistributedOptim", "load_checkpoint", "rank_shard", "save_checkpoint"]
 
 
 def _world(group):
@@ -110,3 +114,39 @@ class DistributedOptim(PyroOptim):
             for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
                 p.grad = g
         super().__call__(params, *args, **kwargs)
+
+
+def _is_distributed(group):
+    return dist.is_available() and dist.is_initialized()
+
+
+def save_checkpoint(path, optim, group=None):
+    """Write Pyro's parameter store, ``optim``'s state and the random streams to ``path``:
+    from rank 0 only when ``torch.distributed`` is initialised (every rank then waits for
+    the file), else from this process.
+
+    :param optim: the :class:`~pyro.optim.PyroOptim` of the fit (a
+        :class:`DistributedOptim` or any other).
+    """
+    rank = dist.get_rank(group) if _is_distributed(group) else 0
+    if rank == 0:
+        torch.save({"params": pyro.get_param_store().get_state(),
+                    "optim": optim.get_state(),
+                    "rng": pyro.util.get_rng_state()}, path)
+    if _is_distributed(group):
+        dist.barrier(group)
+
+
+def load_checkpoint(path, optim):
+    """Resume from :func:`save_checkpoint` on this rank (the number of ranks may differ
+    from the saving run's): the parameter store, ``optim``'s state (applied when its
+    per-parameter optimisers are built) and the random streams.
+
+    :param optim: a fresh optimiser of the same kind as the saving run's.
+    """
+    state = torch.load(path, weights_only=False)
+    store = pyro.get_param_store()
+    store.clear()
+    store.set_state(state["params"])
+    optim.set_state(state["optim"])
+    pyro.util.set_rng_state(state["rng"])

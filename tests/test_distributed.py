@@ -14,7 +14,12 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 
 from pyro_implicit import SIVI_ELBO, SemiImplicitGuide
-from pyro_implicit.distributed import DistributedOptim, rank_shard
+from pyro_implicit.distributed import (
+    DistributedOptim,
+    load_checkpoint,
+    rank_shard,
+    save_checkpoint,
+)
 
 N, GLOBAL_BATCH, STEPS = 40, 8, 15
 
@@ -94,3 +99,56 @@ def test_two_processes_match_one(method, tmp_path):
 def test_without_a_process_group_it_says_so():
     with pytest.raises(RuntimeError, match="init_process_group"):
         rank_shard(torch.arange(4))
+
+
+def _fit_steps(start, stop, save=None, load=None):
+    """AutoDelta + Adam over the global minibatches ``start:stop`` (each rank on its share
+    when torch.distributed is up), from a checkpoint and to one if given."""
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    optim = pyro.optim.Adam({"lr": 0.05})
+    shard = lambda batch: batch  # noqa: E731
+    if tdist.is_initialized():
+        optim, shard = DistributedOptim(optim), rank_shard
+    if load is not None:
+        load_checkpoint(load, optim)
+    guide = AutoDelta(model)
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    batches = torch.Generator().manual_seed(1)
+    for step in range(stop):
+        batch = torch.randperm(N, generator=batches)[:GLOBAL_BATCH]
+        if step >= start:
+            svi.step(x, y, shard(batch))
+    if save is not None:
+        save_checkpoint(save, optim)
+    return {k: v.detach().clone() for k, v in guide.named_parameters()}
+
+
+def _checkpoint_rank(rank, world, store, path):
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                             world_size=world)
+    try:
+        _fit_steps(0, 6, save=path)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
+    """Parameters and Adam's moments saved by rank 0 of a two-rank run, resumed by one
+    process: the end is that of one uninterrupted process."""
+    path = str(tmp_path / "checkpoint.pt")
+    for attempt in range(2):
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        try:
+            mp.spawn(_checkpoint_rank, args=(2, store, path), nprocs=2)
+            break
+        except mp.ProcessExitedException:  # see test_two_processes_match_one
+            if attempt:
+                raise
+    resumed = _fit_steps(6, 12, load=path)
+    straight = _fit_steps(0, 12)
+    for name in straight:
+        assert torch.allclose(resumed[name], straight[name], rtol=1e-9, atol=1e-10), name
