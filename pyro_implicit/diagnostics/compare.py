@@ -43,8 +43,15 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.messenger import Messenger
 
 from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
-from ..latent import PreconditionerWarning
-from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws, source_kind
+from ..latent import PreconditionerWarning, plate_nesting
+from .draws import (
+    guess_max_plate_nesting,
+    latent_shapes,
+    latent_shapes_of,
+    posterior_draws,
+    prior_trace,
+    source_kind,
+)
 from .importance import (
     K_HAT_THRESHOLD,
     UnreliableFitWarning,
@@ -54,7 +61,7 @@ from .importance import (
 from .memory import PeakMemory
 from .methods import DEFAULT_METHODS, METHODS, NUM_PARTICLES
 from .metrics import compare_samples
-from .nuts import NUTSResult, check_continuous_latents, run_nuts
+from .nuts import NUTSResult, check_trace_continuous, run_nuts
 from .results import NUTS_ROW, ComparisonResult, MethodResult
 from .stein import model_preconditioner, stein_discrepancy
 
@@ -258,17 +265,18 @@ def compare(
     run_kwargs.update(nuts_kwargs or {})
 
     pyro.set_rng_seed(seed)
-    check_continuous_latents(model, *args, **kwargs)
-    shapes = latent_shapes(model, *args, **kwargs)
+    # one prior run tells the latent shapes, the plate nesting and the model's parameters,
+    # and refuses discrete latents and NaN data before anything runs (NUTS takes seconds to
+    # minutes); a model that mixes particles under a plate is refused here too
+    trace = prior_trace(model, args, kwargs)
+    check_trace_continuous(trace)
+    check_observed_finite(trace)
+    shapes = latent_shapes_of(trace)
     if max_plate_nesting is None:
-        max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
+        max_plate_nesting = plate_nesting(trace)
     mpn = max_plate_nesting
-    # before anything runs (NUTS takes seconds to minutes): NaN data and a model that
-    # mixes particles under a plate are refused with their own message, for every row
-    with poutine.block():
-        check_observed_finite(poutine.trace(model).get_trace(*args, **kwargs))
     check_vectorized_log_joint(model, None, args, kwargs, mpn + 1)
-    model, held = _hold_model_parameters(model, args, kwargs)
+    model, held = _hold_model_parameters(model, trace)
     if held:
         _say(progress, "model parameters held at these values in every row (NUTS cannot "
                        "learn them): " + ", ".join(f"{k} = {v}" for k, v in held.items()))
@@ -390,13 +398,11 @@ class _HeldParameters(Messenger):
             msg["stop"] = True
 
 
-def _hold_model_parameters(model, args, kwargs):
-    """``(model, {name: value})``: a model with ``pyro.param`` sites gets them fixed at
-    their values now (the parameter store's, else their initial ones) and hidden from every
-    optimiser, so that every row, NUTS (which cannot learn them) included, uses the same
-    values."""
-    with torch.no_grad(), poutine.block():
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
+def _hold_model_parameters(model, trace):
+    """``(model, {name: value})``: a model with ``pyro.param`` sites (in its ``trace``) gets
+    them fixed at their values now (the parameter store's, else their initial ones) and
+    hidden from every optimiser, so that every row, NUTS (which cannot learn them)
+    included, uses the same values."""
     values = {
         name: site["value"].detach().clone()
         for name, site in trace.nodes.items()

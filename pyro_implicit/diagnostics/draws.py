@@ -18,16 +18,35 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.util import site_is_subsample
 
 from ..guides import ImplicitAutoGuide
+from ..latent import plate_nesting
 from ..particles import ParticleInference
 
-__all__ = ["guess_max_plate_nesting", "latent_shapes", "posterior_draws", "source_kind"]
+__all__ = [
+    "guess_max_plate_nesting",
+    "latent_shapes",
+    "latent_shapes_of",
+    "posterior_draws",
+    "prior_trace",
+    "source_kind",
+]
 
 
 
 
-def _prior_trace(model, args, kwargs):
-    with poutine.block():
-        return poutine.trace(model).get_trace(*args, **kwargs)
+def prior_trace(model, args=(), kwargs=None):
+    """One plain (prior) run of the model, blocked from outer handlers, without gradients:
+    what :func:`latent_shapes_of` and :func:`~pyro_implicit.latent.plate_nesting` read."""
+    with torch.no_grad(), poutine.block():
+        return poutine.trace(model).get_trace(*args, **(kwargs or {}))
+
+
+def latent_shapes_of(trace):
+    """``{name: torch.Size}`` of the latent sample sites of ``trace``, in execution order."""
+    return {
+        name: site["value"].shape
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+    }
 
 
 def latent_shapes(model, *args, **kwargs):
@@ -36,28 +55,16 @@ def latent_shapes(model, *args, **kwargs):
     :return: ``{name: torch.Size}`` in execution order.
     :rtype: dict
     """
-    trace = _prior_trace(model, args, kwargs)
-    return {
-        name: site["value"].shape
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-    }
+    return latent_shapes_of(prior_trace(model, args, kwargs))
 
 
 def guess_max_plate_nesting(model, *args, **kwargs):
-    """The model's plate nesting from one prior run: the deepest vectorised plate dim.
+    """The model's plate nesting from one prior run: the deepest vectorised plate dim
+    (:func:`~pyro_implicit.latent.plate_nesting`).
 
     :rtype: int
     """
-    trace = _prior_trace(model, args, kwargs)
-    dims = [
-        -frame.dim
-        for site in trace.nodes.values()
-        if site["type"] == "sample"
-        for frame in site["cond_indep_stack"]
-        if frame.vectorized
-    ]
-    return max(dims, default=0)
+    return plate_nesting(prior_trace(model, args, kwargs))
 
 
 def _detached(draws, shapes):

@@ -19,7 +19,14 @@ from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["MAX_R_HAT", "MIN_ESS", "NUTSResult", "check_continuous_latents", "run_nuts"]
+__all__ = [
+    "MAX_R_HAT",
+    "MIN_ESS",
+    "NUTSResult",
+    "check_continuous_latents",
+    "check_trace_continuous",
+    "run_nuts",
+]
 
 #: a reference with a larger R-hat is flagged as weak (Vehtari et al. 2021)
 MAX_R_HAT = 1.01
@@ -137,7 +144,14 @@ def check_continuous_latents(model, *args, **kwargs):
     :param callable model: a Pyro model.
     :raises ValueError: naming the first discrete latent site.
     """
-    trace = poutine.trace(model).get_trace(*args, **kwargs)
+    check_trace_continuous(poutine.trace(model).get_trace(*args, **kwargs))
+
+
+def check_trace_continuous(trace):
+    """:func:`check_continuous_latents` on a trace already made.
+
+    :raises ValueError: naming the first discrete latent site.
+    """
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
             continue
