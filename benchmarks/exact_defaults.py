@@ -42,10 +42,12 @@ from pyro_implicit import (
 from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS
 from pyro_implicit.diagnostics.compare import _fit as compare_fit
 from pyro_implicit.diagnostics.compare import posterior_draws
+from pyro_implicit.diagnostics.methods import resolve_name
 from pyro_implicit.elbo.gpvi import gpvi_generator
 from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
 
-#: method -> how a new user builds it with the defaults: (guide, loss) or particles
+#: method (the registry's names) -> how a new user builds it with the defaults: (guide,
+#: loss) or particles
 DEFAULT_METHODS = {
     "kivi": lambda m, p: (ImplicitGuide(m, precondition=p), KernelRatioELBO()),
     "sivi": lambda m, p: (SemiImplicitGuide(m, precondition=p), SIVI_ELBO()),
@@ -90,13 +92,9 @@ def fit_default(method, problem, steps, precondition, lr=1e-2):
     return guide.sample_posterior(NUM_DRAWS)[problem.site]
 
 
-_COMPARE_NAMES = {"kivi": "implicit", "sivi": "sivi", "livi": "livi", "gpvi": "gpvi",
-                  "asvgd": "asvgd", "wsvgd": "wsvgd"}
-
-
 def fit_compare(method, problem, steps, precondition):
-    """One fit with ``compare``'s settings for the method."""
-    name = _COMPARE_NAMES[method]
+    """One fit with ``compare``'s settings for the method (the registry's, same name)."""
+    name = resolve_name(method)
     lr = COMPARE_METHODS[name].lr
     fitted, _ = compare_fit(name, problem.model, problem.args, {}, steps, lr,
                             problem.max_plate_nesting, False, precondition)
@@ -158,7 +156,9 @@ def main(argv=None):
     # the commit of the code that runs, read before it runs
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    rows = run(args.methods.split(","), args.problems.split(","), args.steps,
+    # an old name (implicit) runs its method under its new name, with a FutureWarning
+    methods = [resolve_name(m) for m in args.methods.split(",")]
+    rows = run(methods, args.problems.split(","), args.steps,
                args.precondition, args.settings, args.seed, dtype)
     print(markdown(rows))
     if args.out:

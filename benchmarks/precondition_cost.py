@@ -28,6 +28,7 @@ from pyro.infer import SVI
 from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide
 from pyro_implicit.bnn import BNNRegression
 from pyro_implicit.datasets import load_uci
+from pyro_implicit.diagnostics.methods import resolve_name
 
 
 def main(argv=None):
@@ -37,7 +38,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2000,
                         help="length of the default fit the set-up is compared with")
     parser.add_argument("--probe-steps", type=int, default=20)
-    parser.add_argument("--guide", choices=["kivi", "livi"], default="kivi")
+    parser.add_argument("--guide", type=resolve_name, choices=["kivi", "livi"], default="kivi")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -57,6 +57,7 @@ from pyro_implicit.datasets import (  # noqa: E402
     num_splits,
     rmse_original,
 )
+from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -674,7 +675,8 @@ def build_parser():
         default=None,
         help="'all' (default), '0-19', '0,3,5-7'; splits a data set lacks are skipped",
     )
-    p.add_argument("--method", choices=sorted(METHODS), default="map")
+    # the registry's names (an old one, e.g. implicit for kivi, with a FutureWarning)
+    p.add_argument("--method", type=resolve_name, choices=sorted(METHODS), default="map")
     p.add_argument("--epochs", type=int, default=None, help="override the per-data-set epochs")
     p.add_argument(
         "--set",

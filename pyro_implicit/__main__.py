@@ -5,7 +5,7 @@ With no arguments it runs the default job: the eight-schools model fitted with
 ``AutoNormal`` and ``AutoMultivariateNormal``, each compared with NUTS (2 chains), in
 about a minute on two CPU cores. The same job with other settings::
 
-    python -m pyro_implicit compare --model eight_schools --methods implicit,autonormal \\
+    python -m pyro_implicit compare --model eight_schools --methods kivi,autonormal \\
         --steps 2000 --seed 0 --nuts-samples 500 --report out/
 
 ``--model`` takes a built-in model (:data:`pyro_implicit.models.BUILTIN_MODELS`) or a
@@ -33,7 +33,8 @@ and ``python -m pyro_implicit compare --model my_model.py:model``. The file is r
 ``--dtype`` is set, so tensors it builds get that dtype. The model must have continuous
 latent sites only (NUTS is the reference) and broadcast over an outer sample plate.
 
-``--methods all`` runs every method of :data:`~pyro_implicit.diagnostics.compare.METHODS`.
+``--methods all`` runs every method of :data:`~pyro_implicit.diagnostics.compare.METHODS`
+(an old name such as ``implicit``, now ``kivi``, still works for a release, with a warning).
 Every row carries the checks that need no NUTS: the kernel Stein discrepancy of its
 draws (NUTS's row too, as the yardstick) and, for guides with a log-density, PSIS k-hat;
 ``--no-nuts`` skips NUTS (for models where it is too slow) and reports those alone, and
@@ -60,6 +61,7 @@ from pyro import poutine
 from . import __version__
 from .diagnostics.compare import METHODS, compare, guess_max_plate_nesting
 from .diagnostics.importance import K_HAT_THRESHOLD, UnreliableFitWarning
+from .diagnostics.methods import resolve_name
 from .diagnostics.nuts import check_continuous_latents
 from .models import BUILTIN_MODELS, BuiltinModel, load_model
 from .report import write_report
@@ -69,7 +71,7 @@ __all__ = ["build_parser", "load_user_model", "main"]
 #: defaults of the ``compare`` command (the default job); tuned to take about a minute
 DEFAULTS = {
     "model": "eight_schools",
-    "methods": "implicit,sivi,autonormal,automvn",
+    "methods": "kivi,sivi,autonormal,automvn",
     "steps": 1000,
     "samples": 2000,
     "nuts_samples": 500,
@@ -197,7 +199,8 @@ def _parse(argv):
     if args.methods.strip() == "all":
         methods = list(METHODS)
     else:
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        # an old name (e.g. implicit for kivi) runs its method, with a FutureWarning
+        methods = [resolve_name(m.strip()) for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         compare_parser.error(

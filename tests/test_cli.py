@@ -88,7 +88,7 @@ def test_no_nuts_reports_ksd_and_k_hat(user_file, tmp_path, capsys):
     """--no-nuts: no reference run; the table has the KSD and k-hat columns only, the
     report its JSON without NUTS and no pair plots (they overlay NUTS)."""
     report = tmp_path / "report"
-    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,implicit",
+    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,kivi",
             "--smoke", "--quiet", "--no-nuts", "--report", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -97,8 +97,8 @@ def test_no_nuts_reports_ksd_and_k_hat(user_file, tmp_path, capsys):
     assert header[:3] == ["method", "KSD", "k-hat"]
     data = json.loads((report / "comparison.json").read_text())
     assert data["nuts"] is None and [r["method"] for r in data["rows"]] == [
-        "autonormal", "implicit"]
-    assert data["methods"]["implicit"]["ksd"]["num_draws"] == SMOKE_CAPS["samples"]
+        "autonormal", "kivi"]
+    assert data["methods"]["kivi"]["ksd"]["num_draws"] == SMOKE_CAPS["samples"]
     assert not any(name.startswith("pairs_") for name in os.listdir(report))
 
 
@@ -108,7 +108,7 @@ def test_markdown_and_options_without_subcommand(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| method | mean err |" in out
-    assert "| autonormal |" in out and "| implicit |" not in out
+    assert "| autonormal |" in out and "| kivi |" not in out
     assert "banana" in out
 
 
@@ -146,6 +146,11 @@ def test_parse_defaults_and_smoke_caps():
     assert _parse(["--methods", "all"]).methods == list(METHODS)
 
 
+def test_an_old_method_name_runs_its_method_with_a_warning():
+    with pytest.warns(FutureWarning, match="'implicit' is deprecated.*use 'kivi'"):
+        assert _parse(["--methods", "implicit,sivi"]).methods == ["kivi", "sivi"]
+
+
 def test_no_arguments_is_the_default_job():
     args = _parse([])
     assert args.model == "eight_schools" and args.methods == DEFAULT_METHODS
@@ -156,7 +161,7 @@ def test_no_arguments_is_the_default_job():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["compare", "--methods", "implicit,nope"], "unknown method(s) 'nope'; choose from: "
+        (["compare", "--methods", "kivi,nope"], "unknown method(s) 'nope'; choose from: "
                                                     + ", ".join(METHODS)),
         (["compare", "--model", "nope"], "unknown model 'nope'; choose a built-in model"),
         (["compare", "--steps", "0"], "expected an integer >= 1"),

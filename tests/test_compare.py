@@ -1,6 +1,7 @@
 """``compare`` on a conjugate Normal-Normal model, with tiny settings."""
 
 import math
+import re
 
 import pyro
 import pyro.distributions as dist
@@ -18,6 +19,7 @@ from pyro_implicit.diagnostics.compare import (
     latent_shapes,
 )
 from pyro_implicit.diagnostics.importance import UnreliableFitWarning
+from pyro_implicit.diagnostics.methods import ALIASES, grid_method, resolve_name
 from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.models import BUILTIN_MODELS, load_model
 
@@ -45,9 +47,9 @@ def nuts(y):
 
 
 def test_compare_structure(y, nuts, capsys):
-    names = ["implicit", "autonormal", "automvn", "wsvgd"]
+    names = ["kivi", "autonormal", "automvn", "wsvgd"]
     result = compare(normal_normal, y, methods=names, num_steps=30, num_samples=300,
-                     nuts=nuts, max_plate_nesting=1, progress=True, lr={"implicit": 0.02})
+                     nuts=nuts, max_plate_nesting=1, progress=True, lr={"kivi": 0.02})
     assert isinstance(result, ComparisonResult)
     assert result.nuts is nuts
     assert list(result.methods) == names
@@ -70,31 +72,54 @@ def test_compare_structure(y, nuts, capsys):
         assert len(r.losses) == 30 and r.wall_time > 0
     assert result.methods["wsvgd"].kind == "particles"
     assert result.methods["autonormal"].kind == "iid"
-    assert result.methods["implicit"].lr == 0.02 and result.methods["automvn"].lr == 0.05
+    assert result.methods["kivi"].lr == 0.02 and result.methods["automvn"].lr == 0.05
     text = result.table()
     assert text.splitlines()[0].split()[:2] == ["method", "mean"]
     assert "NUTS: 2 chain(s) x 100 draws" in text
     assert result.to_markdown().startswith("| method |")
     site_lines = result.to_markdown(per_site=True).splitlines()
     assert site_lines[0].startswith("| method | site | coords |")
-    assert site_lines[2].startswith("| implicit | mu | 1 |")
+    assert site_lines[2].startswith("| kivi | mu | 1 |")
     table_rows = [line for line in site_lines if line.startswith("| ")]
     assert len(table_rows) == 1 + len(names) + 1  # header, methods, nuts
     err = capsys.readouterr().err
-    assert "implicit: 30 steps, lr 0.02" in err and "wsvgd: 30 steps" in err
+    assert "kivi: 30 steps, lr 0.02" in err and "wsvgd: 30 steps" in err
     sites = result.to_dataframe(per_site=True)
     assert list(sites.index.get_level_values("site").unique()) == ["mu"]
     assert set(result.nuts_diagnostics()) == {"mu"}
-    assert math.isfinite(sites.loc[("implicit", "mu"), "nuts_r_hat_max"])
+    assert math.isfinite(sites.loc[("kivi", "mu"), "nuts_r_hat_max"])
 
 
 def test_compare_is_reproducible_per_method(y, nuts):
     kw = dict(num_steps=5, num_samples=50, nuts=nuts, max_plate_nesting=1, progress=False)
-    both = compare(normal_normal, y, methods=("autonormal", "implicit"), **kw)
-    alone = compare(normal_normal, y, methods=("implicit",), **kw)
+    both = compare(normal_normal, y, methods=("autonormal", "kivi"), **kw)
+    # the old name fits the same method (same draws) and keeps its label, with a warning
+    with pytest.warns(FutureWarning, match="'implicit' is deprecated.*use 'kivi'"):
+        alone = compare(normal_normal, y, methods=("implicit",), **kw)
+    assert alone.settings["methods"] == {"implicit": "kivi"}
     # Each fit starts from the same seed, whatever ran before it.
-    assert torch.equal(both.methods["implicit"].samples["mu"],
+    assert torch.equal(both.methods["kivi"].samples["mu"],
                        alone.methods["implicit"].samples["mu"])
+
+
+def test_old_method_names_resolve_to_the_registrys_one_name():
+    assert list(METHODS)[0] == "kivi" and "implicit" not in list(METHODS)
+    for old, new in ALIASES.items():
+        assert new in METHODS
+        with pytest.warns(FutureWarning, match=f"'{re.escape(old)}' is deprecated.*use '{new}'"):
+            assert resolve_name(old) == new
+        with pytest.warns(FutureWarning, match=f"use '{new}'"):
+            assert METHODS[old] is METHODS[new]
+    assert resolve_name("kivi") == "kivi" and resolve_name("map") == "map"  # no warning
+    with pytest.warns(FutureWarning):
+        guide, loss = METHODS["implicit"].build(normal_normal, 1, precondition=False)
+    assert (type(guide).__name__, type(loss).__name__) == ("ImplicitGuide", "KernelRatioELBO")
+    # one name in each place: the grid's pairs are the registry's methods
+    assert (METHODS["kivi"].guide, METHODS["kivi"].loss) == ("ImplicitGuide", "KernelRatioELBO")
+    assert grid_method("SemiImplicitGuide", "SIVI_ELBO") == "sivi"
+    with pytest.raises(ValueError, match="distinct.*old and new names"):
+        with pytest.warns(FutureWarning):
+            compare(normal_normal, torch.zeros(3), methods=("kivi", "implicit"))
 
 
 def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
@@ -123,7 +148,7 @@ def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
 
 
 def test_compare_rejects_unknown_method(y):
-    with pytest.raises(ValueError, match="unknown method.*'nope'.*implicit, sivi, livi"):
+    with pytest.raises(ValueError, match="unknown method.*'nope'.*kivi, sivi, livi"):
         compare(normal_normal, y, methods=("nope",))
 
 

@@ -39,6 +39,7 @@ from pyro_implicit import (
 )
 from pyro_implicit.elbo import DivergenceError, check_vectorized_log_joint
 from pyro_implicit.elbo.gpvi import GPVI_ELBO, AmortizedSVGD_ELBO, gpvi_generator
+from pyro_implicit.diagnostics.methods import grid_method
 from pyro_implicit.elbo.grid import GRID, grid_table
 from pyro_implicit.particles.prior_score import GaussianPriorScore
 
@@ -188,9 +189,16 @@ class Method:
         return self.name
 
 
+def _pair_name(guide, loss):
+    """The registry's name of a grid pair (``kivi``), else ``Guide+Loss``."""
+    return grid_method(guide, loss) or f"{guide}+{loss}"
+
+
 #: every guide x loss pair the README's grid says trains, the two particle-trained losses
 #: and the particle methods: add a line here to cover a new one
-METHODS = [Method(f"{guide}+{loss}", guide, loss) for guide, loss, trains, _ in GRID if trains] + [
+METHODS = [
+    Method(_pair_name(guide, loss), guide, loss) for guide, loss, trains, _ in GRID if trains
+] + [
     Method("gpvi", "ImplicitGuide(gpvi)", "GPVI_ELBO"),
     Method("asvgd", "ImplicitGuide", "AmortizedSVGD_ELBO"),
     Method(

@@ -34,6 +34,12 @@ def test_defaults_follow_kivi(runner):
     assert runner.METHOD_DEFAULTS["kivi"]("boston") == {"precision_q": "gamma"}
 
 
+def test_method_names_are_the_registrys(runner):
+    # the runner resolves names through the method registry: an old name is its new one
+    with pytest.warns(FutureWarning, match="'implicit' is deprecated.*use 'kivi'"):
+        assert runner.build_parser().parse_args(["--method", "implicit"]).method == "kivi"
+
+
 @pytest.mark.skipif(not data_available(), reason="data folder not available")
 def test_smoke_run_boston_map(runner, tmp_path, capsys):
     out = tmp_path / "uci_map.json"

@@ -59,7 +59,7 @@ from .importance import (
     psis_diagnostic,
 )
 from .memory import PeakMemory
-from .methods import DEFAULT_METHODS, METHODS, NUM_PARTICLES
+from .methods import DEFAULT_METHODS, METHODS, NUM_PARTICLES, resolve_name
 from .metrics import compare_samples
 from .nuts import NUTSResult, check_trace_continuous, run_nuts
 from .results import NUTS_ROW, ComparisonResult, MethodResult
@@ -179,6 +179,16 @@ def _resolve(methods):
         if len(set(methods)) != len(methods):
             raise ValueError(f"methods must be distinct, got {methods}")
         specs = {m: m for m in methods}
+    # an old name keeps its label (the caller's code reads its row by it) and fits the
+    # method of its new name, with a FutureWarning at the caller's compare() line
+    specs = {
+        label: resolve_name(s, stacklevel=4) if isinstance(s, str) else s
+        for label, s in specs.items()
+    }
+    names = [s for s in specs.values() if isinstance(s, str)]
+    if not isinstance(methods, Mapping) and len(set(names)) != len(names):
+        raise ValueError(f"methods must be distinct, got {methods} (old and new names of "
+                         "one method)")
     if not specs:
         raise ValueError("no methods given")
     unknown = [s for s in specs.values() if isinstance(s, str) and s not in METHODS]
@@ -218,7 +228,9 @@ def compare(
 
     :param callable model: a Pyro model.
     :param args: positional arguments of ``model``.
-    :param methods: names from :data:`METHODS`, or a dict ``label -> name or fitted
+    :param methods: names from :data:`METHODS` (an old name, e.g. ``"implicit"`` for
+        ``"kivi"``, fits its method and keeps its label, with a ``FutureWarning``), or a
+        dict ``label -> name or fitted
         approximation`` (a Pyro guide, a ``pyro.infer.SVGD``, a
         :class:`~pyro_implicit.particles.ParticleInference`, or a dict of draws
         ``{site: (S, *shape)}``).

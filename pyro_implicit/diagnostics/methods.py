@@ -1,12 +1,19 @@
 """The method registry: every method :func:`~pyro_implicit.diagnostics.compare.compare`,
-the command line (``--methods``) and the benchmarks build by name, with its settings.
+the command line (``--methods``) and the benchmarks build by name, with its guide, loss,
+settings, description and paper. One name per method: :func:`resolve_name` turns an old
+name (:data:`ALIASES`, kept for one release with a ``FutureWarning``) into it, and
+compare, the command line and the benchmarks all call it. The README's guide x loss
+table (:mod:`pyro_implicit.elbo.grid`) names the registry's method in each cell it
+covers, and the registry refuses a pair the grid says does not train.
 
 Every method of the library runs with its defaults, which include the automatic
 preconditioner (:mod:`pyro_implicit.latent`; ``precondition=False`` fits in the raw space).
 
-* ``"implicit"``: :class:`~pyro_implicit.guides.ImplicitGuide` trained with
+* ``"kivi"``: :class:`~pyro_implicit.guides.ImplicitGuide` trained with
   :class:`~pyro_implicit.elbo.KernelRatioELBO` ``()``: 100 particles, the
   preconditioner's Gaussian as the ratio's contrast.
+  (``"implicit"`` until 0.1: ambiguous, as ``"gpvi"`` and ``"asvgd"`` use
+  ``ImplicitGuide`` too.)
 * ``"sivi"``: :class:`~pyro_implicit.guides.SemiImplicitGuide` trained with
   :class:`~pyro_implicit.elbo.SIVI_ELBO` ``(num_particles=50, num_mixing=100)`` (the SIVI
   paper's settings).
@@ -34,16 +41,27 @@ preconditioner (:mod:`pyro_implicit.latent`; ``precondition=False`` fits in the 
 """
 
 import dataclasses
+import warnings
+from collections.abc import Mapping
 
 from pyro.infer import SVGD, RBFSteinKernel, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
 from ..elbo.gpvi import gpvi_generator
+from ..elbo.grid import GRID
 from ..guides import ImplicitGuide, LinearizedGuide, SemiImplicitGuide
 from ..particles import WeightSpaceSVGD
 
-__all__ = ["DEFAULT_METHODS", "METHODS", "NUM_PARTICLES", "Method"]
+__all__ = [
+    "ALIASES",
+    "DEFAULT_METHODS",
+    "METHODS",
+    "NUM_PARTICLES",
+    "Method",
+    "grid_method",
+    "resolve_name",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +76,12 @@ class Method:
     :ivar str kind: ``"svi"`` (a guide: iid draws) or ``"particles"`` (a fixed set).
     :ivar str trace_label: what its per-step trace holds.
     :ivar str paper: where the method comes from.
+    :ivar str name: its one name (the registry's key).
+    :ivar str guide: the class that draws: the guide's (``"ImplicitGuide"``) or, for a
+        particle method, the particle object's.
+    :ivar str loss: the loss's class (``None`` for particle methods).
+    :ivar dict settings: the keyword arguments the loss (or particle object) is built
+        with, besides ``max_plate_nesting``; ``{}`` for its defaults.
     """
 
     description: str
@@ -66,6 +90,10 @@ class Method:
     kind: str = "svi"  # "svi" (a guide: iid draws) or "particles" (a fixed set)
     trace_label: str = "loss (-ELBO estimate)"
     paper: str = ""
+    name: str = ""
+    guide: str = ""
+    loss: str = None
+    settings: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
 def _build_implicit(model, mpn, precondition=True):
@@ -73,34 +101,41 @@ def _build_implicit(model, mpn, precondition=True):
     return ImplicitGuide(model, precondition=precondition), loss
 
 
+#: the loss settings of each SVI method (the registry's ``settings``), read by its builder
+_SIVI = {"num_particles": 50, "num_mixing": 100}
+_LIVI = {"num_particles": 8, "bound": "det"}
+_GPVI = {"num_particles": 64}
+_ASVGD = {"num_particles": 64}
+_AUTOGUIDE = {"num_particles": 8, "vectorize_particles": True}
+
+
 def _build_sivi(model, mpn, precondition=True):
     return SemiImplicitGuide(model, precondition=precondition), SIVI_ELBO(
-        num_particles=50, num_mixing=100, max_plate_nesting=mpn
+        **_SIVI, max_plate_nesting=mpn
     )
 
 
 def _build_livi(model, mpn, precondition=True):
     return LinearizedGuide(model, precondition=precondition), LIVI_ELBO(
-        num_particles=8, bound="det", max_plate_nesting=mpn
+        **_LIVI, max_plate_nesting=mpn
     )
 
 
 def _build_gpvi(model, mpn, precondition=True):
-    loss = GPVI_ELBO(num_particles=64, max_plate_nesting=mpn)
+    loss = GPVI_ELBO(**_GPVI, max_plate_nesting=mpn)
     return ImplicitGuide(model, generator=gpvi_generator(), precondition=precondition), loss
 
 
 def _build_asvgd(model, mpn, precondition=True):
     return ImplicitGuide(model, precondition=precondition), AmortizedSVGD_ELBO(
-        num_particles=64, max_plate_nesting=mpn
+        **_ASVGD, max_plate_nesting=mpn
     )
 
 
 def _autoguide_builder(cls):
     def build(model, mpn, precondition=True):
         # Pyro's guides have no preconditioner: the row is the same either way
-        return cls(model), Trace_ELBO(num_particles=8, vectorize_particles=True,
-                                      max_plate_nesting=mpn)
+        return cls(model), Trace_ELBO(**_AUTOGUIDE, max_plate_nesting=mpn)
 
     return build
 
@@ -119,55 +154,81 @@ def _build_wsvgd(model, mpn, optim, precondition=True):
                            precondition=precondition)
 
 
-#: method name -> how it is built; the keys are the valid ``methods`` of :func:`compare`
-METHODS = {
-    "implicit": Method(
+_REGISTRY = (
+    Method(
         "ImplicitGuide + KernelRatioELBO() (100 particles, the preconditioner's Gaussian as "
         "contrast)",
         1e-2,
         _build_implicit,
         paper="KIVI: Shi, Sun & Zhu, ICLR 2018",
+        name="kivi",
+        guide="ImplicitGuide",
+        loss="KernelRatioELBO",
     ),
-    "sivi": Method(
+    Method(
         "SemiImplicitGuide + SIVI_ELBO(num_particles=50, num_mixing=100)",
         1e-2,
         _build_sivi,
         paper="SIVI: Yin & Zhou, ICML 2018",
+        name="sivi",
+        guide="SemiImplicitGuide",
+        loss="SIVI_ELBO",
+        settings=_SIVI,
     ),
-    "livi": Method(
+    Method(
         "LinearizedGuide + LIVI_ELBO(num_particles=8, bound='det')",
         1e-2,
         _build_livi,
         paper="LIVI: Uppal et al., NeurIPS 2023",
+        name="livi",
+        guide="LinearizedGuide",
+        loss="LIVI_ELBO",
+        settings=_LIVI,
     ),
-    "gpvi": Method(
+    Method(
         "ImplicitGuide(generator=gpvi_generator()) + GPVI_ELBO(num_particles=64) (exact "
         "Jacobian solve up to D = 64)",
         3e-3,
         _build_gpvi,
         trace_label="-(mean log target of the step's draws)",
         paper="GPVI: Ratzlaff et al., ICML 2021",
+        name="gpvi",
+        guide="ImplicitGuide",
+        loss="GPVI_ELBO",
+        settings=_GPVI,
     ),
-    "asvgd": Method(
+    Method(
         "ImplicitGuide + AmortizedSVGD_ELBO(num_particles=64)",
         1e-2,
         _build_asvgd,
         trace_label="-(mean log target of the step's draws)",
         paper="amortised SVGD: Feng, Wang & Liu, UAI 2017",
+        name="asvgd",
+        guide="ImplicitGuide",
+        loss="AmortizedSVGD_ELBO",
+        settings=_ASVGD,
     ),
-    "autonormal": Method(
+    Method(
         "AutoNormal + Trace_ELBO(num_particles=8, vectorize_particles=True)",
         5e-2,
         _autoguide_builder(AutoNormal),
         paper="ADVI, mean field: Kucukelbir et al., JMLR 2017",
+        name="autonormal",
+        guide="AutoNormal",
+        loss="Trace_ELBO",
+        settings=_AUTOGUIDE,
     ),
-    "automvn": Method(
+    Method(
         "AutoMultivariateNormal + Trace_ELBO(num_particles=8, vectorize_particles=True)",
         5e-2,
         _autoguide_builder(AutoMultivariateNormal),
         paper="ADVI, full rank: Kucukelbir et al., JMLR 2017",
+        name="automvn",
+        guide="AutoMultivariateNormal",
+        loss="Trace_ELBO",
+        settings=_AUTOGUIDE,
     ),
-    "svgd": Method(
+    Method(
         f"pyro.infer.SVGD(RBFSteinKernel(), num_particles={NUM_PARTICLES}, "
         "mode='multivariate'), stock Pyro 1.9: multi-site particles are mis-packed",
         5e-2,
@@ -175,8 +236,11 @@ METHODS = {
         kind="particles",
         trace_label="Stein force (mean squared particle gradient, summed over sites)",
         paper="SVGD: Liu & Wang, NeurIPS 2016",
+        name="svgd",
+        guide="pyro.infer.SVGD",
+        settings={"num_particles": NUM_PARTICLES, "mode": "multivariate"},
     ),
-    "wsvgd": Method(
+    Method(
         f"WeightSpaceSVGD(num_particles={NUM_PARTICLES}), particle-major SVGD, RBF kernel with "
         "the median distance as length scale",
         5e-2,
@@ -184,8 +248,98 @@ METHODS = {
         kind="particles",
         trace_label="-(mean log joint of the particles)",
         paper="SVGD: Liu & Wang, NeurIPS 2016; f-POVI Table 1",
+        name="wsvgd",
+        guide="WeightSpaceSVGD",
+        settings={"num_particles": NUM_PARTICLES},
     ),
+)
+
+#: old name -> the method's one name; each still works for one release, with a
+#: ``FutureWarning`` (:func:`resolve_name`). ``"implicit"`` was ambiguous (GPVI and
+#: amortised SVGD train ``ImplicitGuide`` too); the ``Guide+Loss`` names are the
+#: conformance grid's.
+ALIASES = {
+    "implicit": "kivi",
+    "ImplicitGuide+KernelRatioELBO": "kivi",
+    "SemiImplicitGuide+SIVI_ELBO": "sivi",
+    "LinearizedGuide+LIVI_ELBO": "livi",
 }
+
+
+def resolve_name(name, stacklevel=2):
+    """The one name of method ``name``: ``name`` itself, or for an old name of
+    :data:`ALIASES` its new name, with a ``FutureWarning`` that names it. Other names
+    come back unchanged (each caller refuses unknown names in its own words), so callers
+    with methods of their own (the UCI runner's ``map``) can use it too.
+
+    :param str name: a method name, old or new.
+    :param int stacklevel: as :func:`warnings.warn`'s, counted from the caller of this
+        function (2: the line that called it).
+    :rtype: str
+    """
+    new = ALIASES.get(name)
+    if new is None:
+        return name
+    warnings.warn(
+        f"method name {name!r} is deprecated and will be removed in the next release: use "
+        f"{new!r} (the same method: {_BY_NAME[new].description})",
+        FutureWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return new
+
+
+class _Registry(Mapping):
+    """``name -> Method``, in the registry's order; an old name (:data:`ALIASES`) looks
+    up its method with a ``FutureWarning`` but is not listed."""
+
+    def __init__(self, methods):
+        self._methods = methods
+
+    def __getitem__(self, name):
+        return self._methods[resolve_name(name, stacklevel=3)]
+
+    def __contains__(self, name):
+        return name in self._methods or name in ALIASES
+
+    def __iter__(self):
+        return iter(self._methods)
+
+    def __len__(self):
+        return len(self._methods)
+
+    def __repr__(self):
+        return f"METHODS({', '.join(self._methods)})"
+
+
+_BY_NAME = {m.name: m for m in _REGISTRY}
+
+#: method name -> how it is built; the keys are the valid ``methods`` of :func:`compare`
+#: (old names still work: :data:`ALIASES`)
+METHODS = _Registry(_BY_NAME)
 
 #: what :func:`compare` and the command line run when no methods are named
 DEFAULT_METHODS = tuple(METHODS)
+
+
+def grid_method(guide, loss):
+    """The registry's name of the method that trains ``guide`` with ``loss`` (class
+    names), or ``None``."""
+    for method in _REGISTRY:
+        if (method.guide, method.loss) == (guide, loss):
+            return method.name
+    return None
+
+
+def _check_against_grid():
+    """A registry method whose pair the README's grid covers must be one that trains."""
+    trains = {(guide, loss): ok for guide, loss, ok, _ in GRID}
+    for method in _REGISTRY:
+        if not trains.get((method.guide, method.loss), True):
+            raise AssertionError(
+                f"method {method.name!r} pairs {method.guide} with {method.loss}, which "
+                "pyro_implicit.elbo.grid.GRID says does not train"
+            )
+
+
+_check_against_grid()

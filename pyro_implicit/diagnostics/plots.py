@@ -7,8 +7,8 @@ global figure state is touched and no GUI backend is needed: save it with
     from pyro_implicit.diagnostics.plots import loss_curves, pair_plot
 
     result = compare(model, *args)
-    pair_plot(result.methods["implicit"].samples, result.nuts.samples,
-              label="implicit").savefig("implicit.png")
+    pair_plot(result.methods["kivi"].samples, result.nuts.samples,
+              label="kivi").savefig("kivi.png")
     loss_curves(result).savefig("losses.png")
 
 * :func:`pair_plot`: marginal histograms on the diagonal and pairwise scatter below it,

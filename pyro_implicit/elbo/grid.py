@@ -4,7 +4,10 @@ conformance tests (``tests/test_conformance.py``) both come from.
 Each loss states the guide capability it needs and refuses a guide without it, naming the
 loss that fits; :data:`GRID` records, for each guide of the README's table and each of the
 three entropy estimators, whether the pair trains (``True``) or is refused (``False``),
-with the words the README prints in that cell. :func:`grid_table` renders the table.
+with the words the README prints in that cell. :func:`grid_table` renders the table, and
+names in a cell the method of the registry (:mod:`pyro_implicit.diagnostics.methods`)
+that trains that pair, as ``compare()`` and the command line call it; the registry in
+turn refuses a pair that this grid says does not train.
 """
 
 __all__ = ["GRID", "GUIDES", "LOSSES", "grid_table"]
@@ -45,8 +48,15 @@ GRID = (
 
 
 def grid_table():
-    """The README's guide x loss table (Markdown) rendered from :data:`GRID`."""
-    cells = {(guide, loss): text for guide, loss, _, text in GRID}
+    """The README's guide x loss table (Markdown) rendered from :data:`GRID`, with the
+    registry's method name in the cells of the pairs it runs (e.g. ``yes (`kivi`)``)."""
+    # read when rendered: the registry imports this module to check itself against GRID
+    from ..diagnostics.methods import grid_method
+
+    cells = {}
+    for guide, loss, _, text in GRID:
+        name = grid_method(guide, loss)
+        cells[(guide, loss)] = text if name is None else f"{text} (`{name}`)"
     lines = [
         "| guide (how `u` is drawn) | " + " | ".join(head for _, head in LOSSES) + " |",
         "|" + "---|" * (len(LOSSES) + 1),
