@@ -36,10 +36,11 @@ from pyro_implicit import (
     SemiImplicitGuide,
     VectorizationError,
     WeightSpaceSVGD,
+    contract,
 )
+from pyro_implicit.diagnostics.methods import grid_method
 from pyro_implicit.elbo import DivergenceError, check_vectorized_log_joint
 from pyro_implicit.elbo.gpvi import GPVI_ELBO, AmortizedSVGD_ELBO, gpvi_generator
-from pyro_implicit.diagnostics.methods import grid_method
 from pyro_implicit.elbo.grid import GRID, grid_table
 from pyro_implicit.particles.prior_score import GaussianPriorScore
 
@@ -308,6 +309,28 @@ def test_readme_grid_is_rendered_from_the_tested_list():
     with open("README.md") as f:
         readme = f.read()
     assert grid_table() in readme, "README's table differs from pyro_implicit.elbo.grid.GRID"
+
+
+def test_the_grid_follows_the_guide_loss_contract():
+    """A pair trains when the guide offers what the loss requires (pyro_implicit.contract),
+    or has a density of its own; the one exception is SIVI's sigma bound."""
+    offered = {
+        "ImplicitGuide": ImplicitGuide.capabilities,
+        "SemiImplicitGuide": SemiImplicitGuide.capabilities,
+        "LinearizedGuide": LinearizedGuide.capabilities,
+        "AutoNormal": frozenset({contract.LOG_DENSITY}),
+    }
+    needs = contract.requirements()
+    for guide, loss, trains, _ in GRID:
+        follows = contract.LOG_DENSITY in offered[guide] or needs[loss] in offered[guide]
+        if (guide, loss) == ("LinearizedGuide", "SIVI_ELBO"):  # sigma >= 0.1 only
+            assert follows and not trains
+        else:
+            assert follows == trains, (guide, loss)
+    guide = SemiImplicitGuide(scalar)
+    assert isinstance(guide, contract.SamplingGuide)
+    assert isinstance(guide, contract.ConditionalDensityGuide)
+    assert not isinstance(ImplicitGuide(scalar), contract.ConditionalDensityGuide)
 
 
 @pytest.mark.parametrize(

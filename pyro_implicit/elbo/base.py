@@ -30,6 +30,7 @@ from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 from torch.distributions import biject_to
 
+from ..contract import SAMPLE, check_guide_site
 from ..guides.base import implicit_site_info
 
 __all__ = [
@@ -498,8 +499,12 @@ class ImplicitELBO(ELBO):
         call for each model/guide pair.
     """
 
-    #: the guide capability the loss needs (see ``ImplicitAutoGuide.capabilities``)
-    required_capability = "sample"
+    #: the guide capability the loss needs (:mod:`pyro_implicit.contract`)
+    required_capability = SAMPLE
+
+    #: what to use instead when a guide lacks :attr:`required_capability` (the end of
+    #: the error :func:`pyro_implicit.contract.check_guide_site` raises)
+    pairing_hint = "KernelRatioELBO trains every guide that can be sampled."
 
     #: fewest draws per step the estimator works with: 2 for estimators that use the draws
     #: jointly (kernels), 1 where each draw's entropy term stands alone
@@ -612,25 +617,15 @@ class ImplicitELBO(ELBO):
             ) from e
 
     def _check_guide(self, guide_trace):
-        """Reject guides that are not reparameterised or lack the needed capability."""
+        """Reject guides that are not reparameterised or lack the needed capability
+        (:func:`pyro_implicit.contract.check_guide_site`)."""
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
-            info = implicit_site_info(site)
-            if info is not None and self.required_capability not in info["capabilities"]:
-                raise TypeError(
-                    f"{type(self).__name__} needs a guide that provides "
-                    f"'{self.required_capability}', but {type(info['guide']).__name__} only "
-                    f"provides {sorted(info['capabilities'])}. {self._pairing_hint()}"
-                )
-            if not site["fn"].has_rsample:
-                raise NotImplementedError(
-                    f"Guide site '{name}' ({type(site['fn']).__name__}) is not "
-                    f"reparameterisable; {type(self).__name__} needs reparameterised guides."
-                )
+            check_guide_site(self, name, site)
 
     def _pairing_hint(self):
-        return "KernelRatioELBO trains every guide that can be sampled."
+        return self.pairing_hint
 
     def _traces(self, model, guide, args, kwargs):
         if self.max_plate_nesting == float("inf"):

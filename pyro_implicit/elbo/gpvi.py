@@ -415,6 +415,13 @@ class GPVI_ELBO(_FunctionalGradientELBO):
         Gradients`, Roman Ratzlaff, Qinxun Bai, Li Fuxin, Wei Xu, ICML 2021.
     """
 
+    pairing_hint = (
+        "GPVI_ELBO needs an ImplicitGuide whose generator maps D noise values to the D "
+        "latents with an invertible Jacobian: ImplicitGuide(model, "
+        "generator=gpvi_generator()) (Ratzlaff et al., eq. 6). AmortizedSVGD_ELBO and "
+        "KernelRatioELBO train any implicit guide."
+    )
+
     def __init__(
         self,
         num_particles=64,
@@ -462,14 +469,6 @@ class GPVI_ELBO(_FunctionalGradientELBO):
         if self.exact_jacobian == "auto":
             return gen.out_dim <= _EXACT_MAX_DIM
         return self.exact_jacobian
-
-    def _pairing_hint(self):
-        return (
-            "GPVI_ELBO needs an ImplicitGuide whose generator maps D noise values to the D "
-            "latents with an invertible Jacobian: ImplicitGuide(model, "
-            "generator=gpvi_generator()) (Ratzlaff et al., eq. 6). AmortizedSVGD_ELBO and "
-            "KernelRatioELBO train any implicit guide."
-        )
 
     # -------------------------------------------------------------- guide checks
     def _check_packed_guide(self, guide, model_trace):
@@ -656,11 +655,10 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
         Gradients`, Roman Ratzlaff et al., ICML 2021 (Sec. 3.5).
     """
 
-    def _pairing_hint(self):
-        return (
-            "AmortizedSVGD_ELBO trains a guide that packs all latents into one implicit "
-            "sampler: ImplicitGuide, SemiImplicitGuide or LinearizedGuide."
-        )
+    pairing_hint = (
+        "AmortizedSVGD_ELBO trains a guide that packs all latents into one implicit "
+        "sampler: ImplicitGuide, SemiImplicitGuide or LinearizedGuide."
+    )
 
     def _check_packed_guide(self, guide, model_trace):
         if not isinstance(guide, ImplicitAutoGuide):

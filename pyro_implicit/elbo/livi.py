@@ -42,6 +42,7 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from torch.func import jvp, vjp
 
+from ..contract import JACOBIAN
 from ..guides.base import implicit_site_info
 from ..latent import preconditioner_of
 from .base import (
@@ -358,7 +359,12 @@ class LIVI_ELBO(ImplicitELBO):
         (arXiv:2310.06643), eqs. 14-18, App. A-C.
     """
 
-    required_capability = "jacobian"
+    required_capability = JACOBIAN
+    pairing_hint = (
+        "LIVI_ELBO needs a guide with a differentiable generator u = g(z) + sigma xi, "
+        "i.e. LinearizedGuide; for a guide that can only be sampled (e.g. ImplicitGuide) "
+        "use KernelRatioELBO."
+    )
     min_particles = 1  # each draw's linearised entropy stands alone
 
     def __init__(
@@ -392,13 +398,6 @@ class LIVI_ELBO(ImplicitELBO):
         self.num_iterations = int(num_iterations)
         self.entropy_weight = float(entropy_weight)
         self.prior_weight = float(prior_weight)
-
-    def _pairing_hint(self):
-        return (
-            "LIVI_ELBO needs a guide with a differentiable generator u = g(z) + sigma xi, "
-            "i.e. LinearizedGuide; for a guide that can only be sampled (e.g. ImplicitGuide) "
-            "use KernelRatioELBO."
-        )
 
     def _site_entropy(self, guide_trace, site):
         guide = implicit_site_info(site)["guide"]

@@ -34,6 +34,7 @@ import warnings
 import torch
 from pyro.distributions.util import scale_and_mask
 
+from ..contract import CONDITIONAL_DENSITY
 from ..guides.base import implicit_site_info
 from ..guides.linearized import LinearizedGuide
 from .base import (
@@ -150,7 +151,11 @@ class SIVI_ELBO(ImplicitELBO):
         (arXiv:1805.11183), eq. 9-10, Prop. 1-3, Algorithm 1.
     """
 
-    required_capability = "conditional_density"
+    required_capability = CONDITIONAL_DENSITY
+    pairing_hint = (
+        "SIVI_ELBO needs a Gaussian conditional q(u | psi), as in SemiImplicitGuide; "
+        "for a guide that can only be sampled (e.g. ImplicitGuide) use KernelRatioELBO."
+    )
     min_particles = 1  # the mixture density of each draw uses its own K extra draws
 
     def __init__(
@@ -217,12 +222,6 @@ class SIVI_ELBO(ImplicitELBO):
                 )
 
     # ------------------------------------------------------------------ estimator
-    def _pairing_hint(self):
-        return (
-            "SIVI_ELBO needs a Gaussian conditional q(u | psi), as in SemiImplicitGuide; "
-            "for a guide that can only be sampled (e.g. ImplicitGuide) use KernelRatioELBO."
-        )
-
     def _log_mixture_density(self, guide_trace, site, num_mixing, bound):
         r""":math:`\log \tilde h_K(u_j)` per particle: with the generating component
         (``bound="lower"``, eq. 9) or without it (``"upper"``, eq. 10)."""
