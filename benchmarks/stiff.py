@@ -670,7 +670,7 @@ def _reference_line(meta):
 # ---------------------------------------------------------------------------------------
 
 #: our methods (rows with and without the preconditioner) and Pyro's autoguides (one row)
-OUR_METHODS = ("implicit", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
+OUR_METHODS = ("kivi", "stein_score", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
 PYRO_METHODS = ("autonormal", "automvn", "autoiaf")
 ALL_METHODS = OUR_METHODS + PYRO_METHODS
 

@@ -12,6 +12,7 @@ from .elbo import (
     SIVI_ELBO,
     AmortizedSVGD_ELBO,
     KernelRatioELBO,
+    SteinScoreELBO,
     VectorizationError,
 )
 from .guides import (
@@ -45,6 +46,7 @@ __all__ = [
     "SIVI_ELBO",
     "SemiImplicitEncoder",
     "SemiImplicitGuide",
+    "SteinScoreELBO",
     "VectorizationError",
     "kernels",
 ]

@@ -47,7 +47,14 @@ from collections.abc import Mapping
 from pyro.infer import SVGD, RBFSteinKernel, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
-from ..elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
+from ..elbo import (
+    GPVI_ELBO,
+    LIVI_ELBO,
+    SIVI_ELBO,
+    AmortizedSVGD_ELBO,
+    KernelRatioELBO,
+    SteinScoreELBO,
+)
 from ..elbo.gpvi import gpvi_generator
 from ..elbo.grid import GRID
 from ..guides import ImplicitGuide, LinearizedGuide, SemiImplicitGuide
@@ -98,6 +105,11 @@ class Method:
 
 def _build_implicit(model, mpn, precondition=True):
     loss = KernelRatioELBO(max_plate_nesting=mpn)
+    return ImplicitGuide(model, precondition=precondition), loss
+
+
+def _build_stein_score(model, mpn, precondition=True):
+    loss = SteinScoreELBO(max_plate_nesting=mpn)
     return ImplicitGuide(model, precondition=precondition), loss
 
 
@@ -164,6 +176,16 @@ _REGISTRY = (
         name="kivi",
         guide="ImplicitGuide",
         loss="KernelRatioELBO",
+    ),
+    Method(
+        "ImplicitGuide + SteinScoreELBO() (100 particles: the Gaussian of the draws plus a "
+        "Stein kernel residual)",
+        1e-2,
+        _build_stein_score,
+        paper="Stein gradient estimator: Li & Turner, ICLR 2018 (with a Gaussian control)",
+        name="stein_score",
+        guide="ImplicitGuide",
+        loss="SteinScoreELBO",
     ),
     Method(
         "SemiImplicitGuide + SIVI_ELBO(num_particles=50, num_mixing=100)",

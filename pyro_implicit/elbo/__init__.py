@@ -12,6 +12,7 @@ from .gpvi import GPVI_ELBO, AmortizedSVGD_ELBO
 from .kernel_ratio import KernelRatioELBO, kernel_kl, kernel_log_ratio
 from .livi import LIVI_ELBO, jacobian, linearized_entropy, smallest_singular_value
 from .sivi import SIVI_ELBO, linear_schedule
+from .stein_score import SteinScoreELBO, sample_score, stein_residual_score
 
 __all__ = [
     "AmortizedSVGD_ELBO",
@@ -21,6 +22,7 @@ __all__ = [
     "KernelRatioELBO",
     "LIVI_ELBO",
     "SIVI_ELBO",
+    "SteinScoreELBO",
     "VectorizationError",
     "check_guide_covers_model",
     "check_observed_finite",
@@ -30,5 +32,7 @@ __all__ = [
     "kernel_log_ratio",
     "linear_schedule",
     "linearized_entropy",
+    "sample_score",
     "smallest_singular_value",
+    "stein_residual_score",
 ]

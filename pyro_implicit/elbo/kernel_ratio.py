@@ -470,9 +470,7 @@ class KernelRatioELBO(ImplicitELBO):
                     particle_sum(_unscaled_log_prob(latents[name]), n, mpn) + log_jac[name]
                     for name in group
                 )
-                z = _whiten(contrast, q)
-                p = torch.randn(self.num_prior_samples, q.shape[-1], dtype=q.dtype, device=q.device)
-                kl, info = kernel_kl(z, p, self.regularizer, self.clip, self.kernel)
+                kl, info = self._whitened_kl(_whiten(contrast, q))
                 if ac == "preconditioner":
                     self._saturated[key] = info["clipped_fraction"] > 0.5
                 group_term = (log_p - log_r).mean() - kl
@@ -488,6 +486,12 @@ class KernelRatioELBO(ImplicitELBO):
         # The KL estimate is built to have the eq. (7) gradient, so value and surrogate
         # coincide here.
         return -elbo.detach(), -elbo
+
+    def _whitened_kl(self, z):
+        """KL(q~ || N(0, I)) of the whitened draws ``z`` (with graph): the kernel estimate,
+        against ``num_prior_samples`` standard normal draws. ``(kl, info)``."""
+        p = torch.randn(self.num_prior_samples, z.shape[-1], dtype=z.dtype, device=z.device)
+        return kernel_kl(z, p, self.regularizer, self.clip, self.kernel)
 
     def _prior_parameter_term(self, model, args, kwargs, model_trace, names):
         r"""Zero in value, :math:`\mathbb E_q[\nabla_\theta \log p_\theta(z)]` in gradient
@@ -634,6 +638,18 @@ def _fit_contrast(q, kind):
     well conditioned when D approaches the number of samples)."""
     n, d = q.shape
     loc = q.mean(0)
+    if kind == "moments":
+        # the draws' own maximum-likelihood moments, unshrunk while they determine them
+        # (n > d + 1): then the Gaussian score at the draws is exact for any affine
+        # generator (see stein_score.gaussian_score)
+        centred = q - loc
+        cov = centred.T @ centred / n
+        if d >= n - 1:
+            shrink = min(1.0, d / n)
+            cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
+        eye = torch.eye(d, dtype=q.dtype, device=q.device)
+        cov = cov + 1e-12 * cov.diagonal().mean() * eye
+        return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))
     if kind == "full" and d > 1:
         centred = q - loc
         cov = centred.T @ centred / (n - 1)
