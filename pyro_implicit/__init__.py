@@ -5,7 +5,7 @@ The public API is re-exported here; each name lives in one module with its paper
 
 import logging
 
-from . import kernels, particles
+from . import contract, errors, kernels, particles
 from .elbo import (
     GPVI_ELBO,
     LIVI_ELBO,
@@ -14,6 +14,14 @@ from .elbo import (
     KernelRatioELBO,
     SteinScoreELBO,
     VectorizationError,
+)
+from .errors import (
+    DataError,
+    DivergenceError,
+    ModelError,
+    PairingError,
+    PyroImplicitError,
+    UnsupportedPairError,
 )
 from .guides import (
     ImplicitAutoGuide,
@@ -30,6 +38,14 @@ __version__ = "0.1.0"
 logging.getLogger("pyro_implicit").addHandler(logging.NullHandler())
 
 __all__ = [
+    "DataError",
+    "DivergenceError",
+    "ModelError",
+    "PairingError",
+    "PyroImplicitError",
+    "UnsupportedPairError",
+    "contract",
+    "errors",
     "AmortizedSVGD_ELBO",
     "GPVI_ELBO",
     "FunctionSpaceSVGD",

@@ -52,6 +52,7 @@ have the guide list it in ``capabilities`` and put what the loss reads in its re
 
 from typing import Protocol, runtime_checkable
 
+from .errors import PairingError, UnsupportedPairError
 from .guides.base import IMPLICIT_FLAG, implicit_site_info
 
 __all__ = [
@@ -182,9 +183,9 @@ def pairing_error(loss, guide, offered):
     """The error for a guide that lacks what ``loss`` needs: it names the loss, the
     capability, what the guide offers and (the loss's ``pairing_hint``) the right pair.
 
-    :rtype: TypeError
+    :rtype: ~pyro_implicit.errors.PairingError
     """
-    return TypeError(
+    return PairingError(
         f"{type(loss).__name__} needs a guide that provides "
         f"'{loss.required_capability}', but {type(guide).__name__} only "
         f"provides {sorted(offered)}. {loss._pairing_hint()}"
@@ -196,14 +197,16 @@ def check_guide_site(loss, name, site):
     lacks the loss's ``required_capability`` (:func:`pairing_error`), or a site that is
     not reparameterised.
 
-    :raises TypeError: for a missing capability.
-    :raises NotImplementedError: for a site without ``rsample``.
+    :raises ~pyro_implicit.errors.PairingError: (a ``TypeError``) for a missing
+        capability.
+    :raises ~pyro_implicit.errors.UnsupportedPairError: (a ``NotImplementedError``) for a
+        site without ``rsample``.
     """
     record = site_record(site)
     if record is not None and loss.required_capability not in record["capabilities"]:
         raise pairing_error(loss, record["guide"], record["capabilities"])
     if not site["fn"].has_rsample:
-        raise NotImplementedError(
+        raise UnsupportedPairError(
             f"Guide site '{name}' ({type(site['fn']).__name__}) is not "
             f"reparameterisable; {type(loss).__name__} needs reparameterised guides."
         )

@@ -11,6 +11,9 @@ of that folder is described in its ``README.md``.
   :func:`load_mnist`.
 * The Bayesian logistic regression sets of the SIVI paper with their reference posterior
   draws: :func:`load_sivi`, :func:`load_waveform`.
+
+A data file that is malformed (NaN values, bad indices, missing fields) raises
+:class:`~pyro_implicit.errors.DataError` (a ``ValueError``).
 """
 
 import functools
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .errors import DataError
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -212,7 +217,7 @@ def _read_indices(path, name):
         raise _missing(path, f"Index file of UCI data set {name!r}")
     idx = np.loadtxt(path, dtype=np.float64, ndmin=1)
     if not np.all(idx == np.round(idx)):
-        raise ValueError(f"UCI data set {name!r}: {path.name} holds non-integer indices.")
+        raise DataError(f"UCI data set {name!r}: {path.name} holds non-integer indices.")
     return idx.astype(np.int64)
 
 
@@ -256,14 +261,14 @@ def load_uci(name, split, dtype=torch.float64):
     data = _read_cached(data_file)
     if not np.isfinite(data).all():
         bad = np.argwhere(~np.isfinite(data))[0]
-        raise ValueError(
+        raise DataError(
             f"UCI data set {short!r}: {data_file} holds NaN or inf values "
             f"(first at row {bad[0]}, column {bad[1]})."
         )
     features = _read_indices(folder / "index_features.txt", short)
     target = _read_indices(folder / "index_target.txt", short)
     if target.size != 1:
-        raise ValueError(f"UCI data set {short!r}: expected one target column, got {target}.")
+        raise DataError(f"UCI data set {short!r}: expected one target column, got {target}.")
     train = _read_indices(folder / f"index_train_{split}.txt", short)
     test = _read_indices(folder / f"index_test_{split}.txt", short)
     n_rows, n_cols = data.shape
@@ -274,12 +279,12 @@ def load_uci(name, split, dtype=torch.float64):
         ("test", test, n_rows),
     ]:
         if idx.size and (idx.min() < 0 or idx.max() >= bound):
-            raise ValueError(
+            raise DataError(
                 f"UCI data set {short!r}: {what} indices out of range [0, {bound}) in split "
                 f"{split}."
             )
     if train.size == 0 or test.size == 0:
-        raise ValueError(f"UCI data set {short!r}: split {split} has an empty train or test set.")
+        raise DataError(f"UCI data set {short!r}: split {split} has an empty train or test set.")
 
     x = data[:, features]
     y = data[:, target[0]]
@@ -402,11 +407,11 @@ def _read_idx(path, magic, ndim):
         raw = fh.read()
     header = np.frombuffer(raw, dtype=">i4", count=1 + ndim)
     if header[0] != magic:
-        raise ValueError(f"{path} is not an idx file of the expected kind (magic {header[0]}).")
+        raise DataError(f"{path} is not an idx file of the expected kind (magic {header[0]}).")
     dims = tuple(int(d) for d in header[1:])
     values = np.frombuffer(raw, dtype=np.uint8, offset=4 * (1 + ndim))
     if values.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: {values.size} values for a header of shape {dims}.")
+        raise DataError(f"{path}: {values.size} values for a header of shape {dims}.")
     return values.reshape(dims)
 
 
@@ -416,7 +421,7 @@ def _mnist_arrays(folder):
     images = _read_idx(folder / "t10k-images-idx3-ubyte.gz", magic=2051, ndim=3)
     labels = _read_idx(folder / "t10k-labels-idx1-ubyte.gz", magic=2049, ndim=1)
     if images.shape[0] != labels.shape[0]:
-        raise ValueError(f"MNIST: {images.shape[0]} images but {labels.shape[0]} labels.")
+        raise DataError(f"MNIST: {images.shape[0]} images but {labels.shape[0]} labels.")
     return images, labels
 
 
@@ -516,7 +521,7 @@ def load_sivi(name, dtype=torch.float64):
     required = ("X_train", "y_train", "X_test", "y_test", "BetaMCMC", "Beta_VB_sample")
     missing = [k for k in required + ("mu_Beta", "Sig_Beta") if k not in mat]
     if missing:
-        raise ValueError(f"{path} lacks the fields {missing}.")
+        raise DataError(f"{path} lacks the fields {missing}.")
 
     def t(a):
         return torch.as_tensor(np.asarray(a, dtype=np.float64), dtype=dtype)
@@ -536,9 +541,9 @@ def load_sivi(name, dtype=torch.float64):
     )
     d = x_train.shape[1]
     if data.y_train.shape[0] != x_train.shape[0] or data.y_test.shape[0] != x_test.shape[0]:
-        raise ValueError(f"{path}: the numbers of labels and feature rows differ.")
+        raise DataError(f"{path}: the numbers of labels and feature rows differ.")
     if data.beta_mcmc.shape[1] != d or data.mu_beta.shape[0] != d:
-        raise ValueError(f"{path}: coefficient draws do not have {d} coefficients.")
+        raise DataError(f"{path}: coefficient draws do not have {d} coefficients.")
     for field in (data.x_train, data.x_test, data.beta_mcmc):
         if not bool(torch.isfinite(field).all()):
             raise ValueError(f"SIVI data set {name!r} holds NaN or inf values.")

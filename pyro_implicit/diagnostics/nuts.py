@@ -19,6 +19,8 @@ from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.util import site_is_subsample
 
+from ..errors import ModelError
+
 __all__ = [
     "MAX_R_HAT",
     "MIN_ESS",
@@ -113,7 +115,7 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
     mpn = plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
     space = LatentSpace.from_model(model, args, kwargs, mpn)
     if not space.subsample_plates:
-        raise ValueError(
+        raise ModelError(
             "the model subsamples a plate whose minibatches cannot be enumerated, so NUTS "
             "has no full-data likelihood to sample: run the reference without subsampling "
             "(subsample_size=None)"
@@ -161,7 +163,7 @@ def check_trace_continuous(trace):
         except (AttributeError, NotImplementedError):
             discrete_support = False
         if getattr(fn, "has_enumerate_support", False) or discrete_support:
-            raise ValueError(
+            raise ModelError(
                 f"NUTS cannot sample discrete site '{name}' ({type(fn).__name__}); "
                 "marginalise it out of the model or observe it before using run_nuts"
             )

@@ -31,6 +31,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from torch.distributions import biject_to
 
 from ..contract import SAMPLE, check_guide_site
+from ..errors import DataError, DivergenceError, ModelError, VectorizationError
 from ..guides.base import implicit_site_info
 
 __all__ = [
@@ -44,17 +45,6 @@ __all__ = [
     "implicit_guide_sites",
     "packed_particles",
 ]
-
-
-class VectorizationError(ValueError):
-    """The model gives different log-densities under a vectorised particle plate than
-    when each draw is evaluated on its own."""
-
-
-class DivergenceError(ValueError):
-    """A fit has diverged: a non-finite loss, non-finite or exploding draws, or a model
-    that fails at draws the fit has moved to. The message names the sites and what to
-    try."""
 
 
 #: what to try when a fit diverges (shared by the losses and the particle methods)
@@ -102,7 +92,7 @@ def unconstrained_particles(site, num_particles, max_plate_nesting, with_log_jac
     try:
         transform = biject_to(fn.support)
     except NotImplementedError:
-        raise ValueError(
+        raise ModelError(
             f"Latent site '{site['name']}' has support {fn.support}, which has no bijection "
             "to real space: pyro_implicit guides and losses need continuous latent sites "
             "(marginalise discrete ones out of the model)."
@@ -273,9 +263,10 @@ def _expected_batch_shape(alone_shape, num_draws, max_plate_nesting):
 
 
 def check_observed_finite(trace):
-    """Raise a ``ValueError`` naming the observed site whose data hold NaN or infinite
-    values (a likelihood of NaN data is NaN for every latent value: no fit can mean
-    anything, and the error would otherwise surface deep inside a loss)."""
+    """Raise a :class:`~pyro_implicit.errors.DataError` (a ``ValueError``) naming the
+    observed site whose data hold NaN or infinite values (a likelihood of NaN data is NaN
+    for every latent value: no fit can mean anything, and the error would otherwise
+    surface deep inside a loss)."""
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or not site["is_observed"] or site_is_subsample(site):
             continue
@@ -285,7 +276,7 @@ def check_observed_finite(trace):
         if torch.is_tensor(value) and value.is_floating_point():
             bad = ~torch.isfinite(value)
             if bad.any():
-                raise ValueError(
+                raise DataError(
                     f"the data of observed site '{name}' hold {int(bad.sum())} non-finite "
                     f"value(s) (NaN or inf) out of {value.numel()}: the log-density is then "
                     "NaN for every latent value. Remove or impute them (or mask them with "
@@ -304,9 +295,10 @@ def check_vectorized_log_joint(
     particles silently and gives a wrong posterior with no error. This turns that into a
     :class:`VectorizationError` that names the first site whose log-density differs (or
     the last site reached, if the vectorised run crashes) and the shapes alone and
-    together, with the fix. Data with NaN or infinite values get a ``ValueError`` naming
-    the observed site instead (that is not a vectorisation problem), and so does a
-    log-density that is not finite for a draw evaluated alone.
+    together, with the fix. Data with NaN or infinite values get a
+    :class:`~pyro_implicit.errors.DataError` naming the observed site instead (that is not
+    a vectorisation problem), and a log-density that is NaN for a draw evaluated alone a
+    :class:`~pyro_implicit.errors.ModelError` (both are ``ValueError``).
 
     :param guide: the guide whose draws are checked; ``None``: draws of the model's prior
         (for methods without a guide, e.g. NUTS or particle methods).
@@ -415,7 +407,7 @@ def check_vectorized_log_joint(
                 expected = single.nodes[name]["log_prob_sum"].item()
                 got = vectorized[name][i].item()
                 if math.isnan(expected):  # (-inf alone and together is a consistent answer)
-                    raise ValueError(
+                    raise ModelError(
                         f"the log-density of site '{name}' is NaN for a draw of the "
                         f"latents evaluated on its own (not a vectorisation problem): the "
                         "model's density is NaN at "
@@ -471,7 +463,7 @@ def _raise_if_fails_alone(model, args, kwargs, together, names, shapes, max_plat
         single.compute_log_prob()
     except (RuntimeError, ValueError, IndexError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(
+        raise ModelError(
             "the model fails at a draw of its latents evaluated on its own (not a "
             f"vectorisation problem): {type(e).__name__}: {first_line}. The draw: "
             + ", ".join(f"'{n}' = {_short(v)}" for n, v in data.items())

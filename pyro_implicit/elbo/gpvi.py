@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..compiled import BACKENDS
+from ..errors import PairingError
 from ..guides.base import ImplicitAutoGuide, implicit_site_info
 from ..guides.implicit import ImplicitGuide, SkipGenerator, gpvi_generator
 from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
@@ -199,7 +200,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
     def _implicit_site(self, model_trace, guide_trace):
         sites = implicit_guide_sites(guide_trace)
         if len(sites) != 1:
-            raise TypeError(
+            raise PairingError(
                 f"{type(self).__name__} trains one implicit guide over all latent sites; the "
                 f"guide has {len(sites)} implicit latent sites. {self._pairing_hint()}"
             )
@@ -209,7 +210,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
         latents = {s["name"] for s in self.latent_sites(model_trace)}
         packed = set(guide._unconstrained_shapes)
         if latents != packed:
-            raise TypeError(
+            raise PairingError(
                 f"{type(self).__name__} needs one implicit guide covering every latent site "
                 f"(a functional gradient of the joint KL): the model has {sorted(latents)} but "
                 f"{type(guide).__name__} covers {sorted(packed)}. Do not mix it with other "
@@ -473,7 +474,7 @@ class GPVI_ELBO(_FunctionalGradientELBO):
     # -------------------------------------------------------------- guide checks
     def _check_packed_guide(self, guide, model_trace):
         if not isinstance(guide, ImplicitGuide):
-            raise TypeError(
+            raise PairingError(
                 f"GPVI_ELBO needs u = f(z) with f invertible, but {type(guide).__name__} "
                 f"adds noise after its generator. {self._pairing_hint()}"
             )
@@ -662,7 +663,9 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
 
     def _check_packed_guide(self, guide, model_trace):
         if not isinstance(guide, ImplicitAutoGuide):
-            raise TypeError(f"{type(guide).__name__} is not a packed guide. {self._pairing_hint()}")
+            raise PairingError(
+                f"{type(guide).__name__} is not a packed guide. {self._pairing_hint()}"
+            )
 
     def _direction(self, guide, guide_trace, site, score, scale):
         n, mpn = self.num_particles, self.max_plate_nesting

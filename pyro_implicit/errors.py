@@ -1,0 +1,60 @@
+"""One exception type per kind of problem, so that callers can tell them apart:
+
+* :class:`ModelError`: the model cannot be fitted as written (a discrete latent site, a
+  model that mixes particles under a vectorised plate, a density that is NaN or fails at
+  a draw of its latents);
+* :class:`PairingError`: a guide that the loss cannot train, or that does not fit the
+  loss's rules (:mod:`pyro_implicit.contract`); the message names the pair that works;
+* :class:`DataError`: the data are unusable (NaN or infinite observations, a malformed
+  data file);
+* :class:`DivergenceError`: a fit that has diverged (not a bad input: a run that went
+  wrong).
+
+Each is also the built-in exception these problems raised before it existed
+(``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
+``NotImplementedError``), so ``except ValueError`` and ``pytest.raises(TypeError)`` keep
+working. :class:`PyroImplicitError` is the base of them all.
+"""
+
+__all__ = [
+    "DataError",
+    "DivergenceError",
+    "ModelError",
+    "PairingError",
+    "PyroImplicitError",
+    "UnsupportedPairError",
+    "VectorizationError",
+]
+
+
+class PyroImplicitError(Exception):
+    """Base of the library's exceptions."""
+
+
+class ModelError(PyroImplicitError, ValueError):
+    """The model cannot be fitted as written; the message names the site and the fix."""
+
+
+class VectorizationError(ModelError):
+    """The model gives different log-densities under a vectorised particle plate than
+    when each draw is evaluated on its own."""
+
+
+class PairingError(PyroImplicitError, TypeError):
+    """A guide that the loss cannot train (it lacks the capability the loss needs, see
+    :mod:`pyro_implicit.contract`); the message names the loss or guide that fits."""
+
+
+class UnsupportedPairError(PairingError, NotImplementedError):
+    """A guide the loss cannot train for want of something no loss offers to work around
+    (e.g. a guide site that is not reparameterised)."""
+
+
+class DataError(PyroImplicitError, ValueError):
+    """The data are unusable: NaN or infinite observations, a malformed data file."""
+
+
+class DivergenceError(PyroImplicitError, ValueError):
+    """A fit has diverged: a non-finite loss, non-finite or exploding draws, or a model
+    that fails at draws the fit has moved to. The message names the sites and what to
+    try."""
