@@ -38,6 +38,12 @@ a plain ``nn.Module`` with its own torch optimiser held by the loss, not a Pyro 
 ``SVI`` cannot step it with the generator's gradient); :meth:`GPVI_ELBO.state_dict` saves
 it.
 
+The pieces live in modules of one job each and are re-exported here: the helper network
+and the exact solve in :mod:`pyro_implicit.elbo.inverse_jacobian`, the machinery both
+losses share in :mod:`pyro_implicit.elbo.functional_gradient`, :class:`AmortizedSVGD_ELBO`
+in :mod:`pyro_implicit.elbo.amortized_svgd`, the generator in
+:mod:`pyro_implicit.guides.implicit`.
+
 References
 
 [1] `Generative Particle Variational Inference via Estimation of Functional Gradients`,
@@ -47,15 +53,18 @@ References
 """
 
 import torch
-from torch import nn
 
-from ..compiled import BACKENDS
 from ..errors import PairingError
-from ..guides.base import ImplicitAutoGuide, implicit_site_info
 from ..guides.implicit import ImplicitGuide, SkipGenerator, gpvi_generator
-from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
-from ..latent import LatentSpace, preconditioner_of
-from .base import ImplicitELBO, implicit_guide_sites, packed_particles
+from ..kernels import squared_distances
+from .amortized_svgd import AmortizedSVGD_ELBO
+from .functional_gradient import _FunctionalGradientELBO
+from .inverse_jacobian import (
+    InverseJacobianNetwork,
+    _pairs,
+    exact_inverse_jvp,
+    helper_residual,
+)
 from .livi import jacobian
 
 __all__ = [
@@ -75,254 +84,6 @@ _EXACT_MAX_DIM = 64
 _PROBE_MAX_DIM = 256
 #: relative smallest singular value below which a Jacobian counts as singular
 _SINGULAR_RTOL = 1e-10
-
-
-# ------------------------------------------------------------------------------- the helper
-class InverseJacobianNetwork(nn.Module):
-    r"""GPVI's helper network :math:`h_\eta(z'^{(:k)}, v) \approx J_f(z')^{-\top} v`
-    (Sec. 3.3, eq. 9; architecture of App. B.1).
-
-    One fully connected ReLU layer on each input (the k leading noise coordinates, on which
-    the Jacobian of eq. 7 depends, and the D-vector v); the two branches are concatenated
-    and passed through ``num_layers`` ReLU layers of width 2H and a linear output of size D.
-    No batch norm, no weight decay (App. B.1: they hurt, the target being an exact
-    solution).
-
-    :param int active_dim: k.
-    :param int dim: D.
-    :param int hidden_dim: H, the width of each branch.
-    :param int num_layers: hidden layers after the concatenation (paper: 3).
-    """
-
-    def __init__(self, active_dim, dim, hidden_dim, num_layers=3):
-        super().__init__()
-        self.active_dim, self.dim = int(active_dim), int(dim)
-        self.noise_branch = nn.Sequential(nn.Linear(self.active_dim, hidden_dim), nn.ReLU())
-        self.vector_branch = nn.Sequential(nn.Linear(self.dim, hidden_dim), nn.ReLU())
-        layers, width = [], 2 * hidden_dim
-        for _ in range(num_layers):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        self.trunk = nn.Sequential(*layers, nn.Linear(width, self.dim))
-
-    def forward(self, noise_head, vector):
-        joint = torch.cat([self.noise_branch(noise_head), self.vector_branch(vector)], dim=-1)
-        return self.trunk(joint)
-
-
-def _pairs(z, v):
-    """Repeat each row of ``z`` ``(A, D)`` for the ``B`` vectors of ``v`` ``(A, B, D)``."""
-    a, b, d = v.shape
-    return z.detach().unsqueeze(1).expand(a, b, z.shape[-1]).reshape(a * b, -1), v.reshape(-1, d)
-
-
-def helper_residual(helper, generator, z, v):
-    r"""The residual :math:`J_f(z_a)^\top h_\eta(z_a^{(:k)}, v_{ab}) - v_{ab}` of the helper's
-    least-squares loss (eqs. 10-11), whose minimiser is :math:`h = J_f^{-\top} v`.
-
-    :math:`J_f^\top h` is one vector-Jacobian product through the generator (eq. 11; for a
-    :class:`SkipGenerator` autograd gives exactly :math:`\mathrm{pad}(J_g^\top h) + \lambda
-    h`), kept differentiable in h (``create_graph``) so the loss can be differentiated with
-    respect to :math:`\eta`. Differentiate only with respect to the helper's parameters
-    (``torch.autograd.grad``): the graph also runs through the generator's parameters.
-
-    :param helper: an :class:`InverseJacobianNetwork`.
-    :param generator: ``(..., D) -> (..., D)``, row-wise.
-    :param torch.Tensor z: ``(A, D)`` noise points z'.
-    :param torch.Tensor v: ``(A, B, D)`` vectors, B per noise point.
-    :return: ``(A, B, D)`` residuals.
-    """
-    k = getattr(generator, "active_dim", z.shape[-1])
-    rows, vectors = _pairs(z, v)
-    with torch.enable_grad():
-        rows = rows.requires_grad_()
-        y = helper(rows.detach()[:, :k], vectors.detach())
-        (jty,) = torch.autograd.grad(generator(rows), rows, grad_outputs=y, create_graph=True)
-    return (jty - vectors.detach()).reshape(v.shape)
-
-
-def exact_inverse_jvp(generator, z, v):
-    r""":math:`J_f(z_a)^{-\top} v_{ab}` by forming the Jacobian and solving (GPVI "Exact
-    Jac", App. D.1), with one LU factorisation per noise point. Not differentiable.
-
-    :param generator: ``(..., D) -> (..., D)``, row-wise.
-    :param torch.Tensor z: ``(A, D)``.
-    :param torch.Tensor v: ``(A, B, D)``.
-    :return: ``(A, B, D)``.
-    """
-    with torch.no_grad():
-        jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
-        try:
-            solved = torch.linalg.solve(jac.mT, v.detach().mT)  # (A, D, B)
-        except torch.linalg.LinAlgError as e:
-            raise ValueError(
-                "the generator's Jacobian is singular at a noise point, so J^{-T} v does not "
-                "exist; GPVI needs an invertible generator: use ImplicitGuide(model, "
-                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)"
-            ) from e
-    return solved.mT
-
-
-# ------------------------------------------------------------------------------ the losses
-class _FunctionalGradientELBO(ImplicitELBO):
-    """Shared machinery: one vectorised trace of N particles u' = f(z') scored under the
-    model, a direction G for N generator outputs u = f(z), and the surrogate
-    mean_b <stopgrad(G_b), u_b> whose gradient is the pulled-back direction (eq. 4)."""
-
-    def __init__(
-        self,
-        num_particles=64,
-        kernel=None,
-        independent_batches=True,
-        max_plate_nesting=float("inf"),
-        check_vectorization=True,
-        retain_graph=None,
-        compile="fx",
-    ):
-        super().__init__(num_particles, max_plate_nesting, check_vectorization, retain_graph)
-        if compile not in (None, False) and compile not in BACKENDS:
-            raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
-        #: ``"fx"`` / ``"inductor"``: after the first step, score the draws with the traced
-        #: graph of the model's log-density (:meth:`LatentSpace.compile`) instead of a Pyro
-        #: trace of the model; ``None``: always trace
-        self.compile = compile or None
-        self._spaces = {}
-        self.kernel = (
-            RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
-            if kernel is None
-            else kernel
-        )
-        self.independent_batches = bool(independent_batches)
-
-    # -------------------------------------------------------------- guide checks
-    def _check_packed_guide(self, guide, model_trace):
-        raise NotImplementedError
-
-    def _implicit_site(self, model_trace, guide_trace):
-        sites = implicit_guide_sites(guide_trace)
-        if len(sites) != 1:
-            raise PairingError(
-                f"{type(self).__name__} trains one implicit guide over all latent sites; the "
-                f"guide has {len(sites)} implicit latent sites. {self._pairing_hint()}"
-            )
-        site = sites[0]
-        guide = implicit_site_info(site)["guide"]
-        self._check_packed_guide(guide, model_trace)
-        latents = {s["name"] for s in self.latent_sites(model_trace)}
-        packed = set(guide._unconstrained_shapes)
-        if latents != packed:
-            raise PairingError(
-                f"{type(self).__name__} needs one implicit guide covering every latent site "
-                f"(a functional gradient of the joint KL): the model has {sorted(latents)} but "
-                f"{type(guide).__name__} covers {sorted(packed)}. Do not mix it with other "
-                "guides in an AutoGuideList."
-            )
-        return site, guide
-
-    # -------------------------------------------------------------- score batch
-    def _log_target(self, model_trace, guide_trace):
-        r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /
-        \partial u|`: every model site (with plate scaling), minus the guide's ``biject_to``
-        Delta sites, whose log-density is :math:`-\log|\det \partial T/\partial u|`."""
-        return self.log_joint_particles(model_trace) - self.explicit_guide_log_prob(guide_trace)
-
-    def loss(self, model, guide, *args, **kwargs):
-        r"""The monitoring value :math:`-\frac1N\sum_a \log\tilde p(u'_a)` (see the class
-        docstring) on a fresh batch; no helper update, no gradient."""
-        with torch.no_grad():
-            model_trace, guide_trace = self._traces(model, guide, args, kwargs)
-            self._implicit_site(model_trace, guide_trace)
-            loss = -self._log_target(model_trace, guide_trace).mean()
-            self._check_divergence(loss)
-            return loss.item()
-
-    def _loss_and_surrogate(self, model, guide, args, kwargs):
-        space = self._spaces.get((id(model), id(guide)))
-        if space is not None and space.compiled.active:
-            out = self._traced_loss_and_surrogate(space, guide, args, kwargs)
-            if out is not None:
-                return out
-        model_trace, guide_trace = self._traces(model, guide, args, kwargs)
-        site, guide_obj = self._implicit_site(model_trace, guide_trace)
-        n, mpn = self.num_particles, self.max_plate_nesting
-        latent = site["value"]
-        if not latent.requires_grad:
-            raise RuntimeError(
-                f"{type(self).__name__} differentiates the model at the guide's draws: call "
-                "loss_and_grads / differentiable_loss with autograd enabled"
-            )
-        log_target = self._log_target(model_trace, guide_trace)
-        # the model's own pyro.params (e.g. an observation scale) descend minus the mean log
-        # target, the ELBO's gradient in them, as pyro.infer.SVGD trains them
-        model_params = any(
-            site["type"] == "param" and site["value"].requires_grad
-            for site in model_trace.nodes.values()
-        )
-        # score of the unconstrained target at the draws (no gradient into the generator)
-        (latent_score,) = torch.autograd.grad(
-            log_target.sum(), latent, retain_graph=model_params or not self.independent_batches
-        )
-        # the direction acts on the generator's whitened output w (u = m + L w), where the
-        # kernel's one bandwidth suits every coordinate: the score there is L^T grad_u
-        score = preconditioner_of(guide_obj).whiten_score(packed_particles(latent_score, n, mpn))
-        scale = site["scale"]
-        scale = scale.item() if torch.is_tensor(scale) else float(scale)
-        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
-        # eq. (4): d/dtheta mean_b <G_b, f(z_b)> = E_z[(df/dtheta)^T G]
-        surrogate = (direction.detach() * outputs).sum(-1).mean()
-        if model_params:
-            # -mean log p with the path through the draws cancelled (its gradient in the
-            # generator is score . du, exactly what the subtracted term gives): only the
-            # model's parameters get a gradient from it
-            through_draws = (latent_score.detach() * latent).sum() / n
-            surrogate = surrogate - (log_target.mean() - through_draws)
-        self.diagnostics["log_target"] = log_target.mean().item()
-        if self.compile and not model_params and (id(model), id(guide)) not in self._spaces:
-            # checked and validated once by the step above: later steps may use the graph
-            space = LatentSpace.from_guide(guide_obj, args, kwargs, mpn - 1)
-            self._spaces[(id(model), id(guide))] = space.compile(self.compile)
-        return -log_target.detach().mean(), surrogate
-
-    def _traced_loss_and_surrogate(self, space, guide, args, kwargs):
-        """The step above without a Pyro trace of the model: the guide's draws are scored by
-        the traced graph of the log-density (one minibatch where the model subsamples, as a
-        model trace would give). ``None`` when the graph is unavailable (the caller then
-        traces the model)."""
-        n, mpn = self.num_particles, self.max_plate_nesting
-        # as the traced-model path does: a failure at non-finite draws names the sites
-        guide_trace = self._run_traced(self._vectorized_num_particles(guide), args, kwargs,
-                                       "the guide")
-        sites = implicit_guide_sites(guide_trace)
-        site = sites[0]
-        guide_obj = implicit_site_info(site)["guide"]
-        latent = packed_particles(site["value"], n, mpn)
-        if not bool(torch.isfinite(latent).all()):
-            return None  # the traced-model path stops it with a DivergenceError naming sites
-        out = space.score(latent.detach(), args, kwargs, full_data=False)
-        if out is None:
-            return None
-        log_target, latent_score = out
-        self._last_traces = (None, guide_trace)  # for the divergence check's message
-        score = preconditioner_of(guide_obj).whiten_score(latent_score)
-        scale = site["scale"]
-        scale = scale.item() if torch.is_tensor(scale) else float(scale)
-        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
-        surrogate = (direction.detach() * outputs).sum(-1).mean()
-        self.diagnostics["log_target"] = log_target.mean().item()
-        return -log_target.mean(), surrogate
-
-    def _direction(self, guide, guide_trace, site, score, scale):
-        raise NotImplementedError
-
-    def _noise_rows(self, guide, guide_trace):
-        name = f"_{guide._pyro_name}_noise"
-        if name not in guide_trace.nodes:
-            raise TypeError(f"{type(guide).__name__} has no noise site {name!r} in its trace")
-        return packed_particles(
-            guide_trace.nodes[name]["value"], self.num_particles, self.max_plate_nesting
-        ).detach()
-
-    def _bandwidth(self, *points):
-        return self.kernel.bandwidth(*points)
 
 
 class GPVI_ELBO(_FunctionalGradientELBO):
@@ -617,86 +378,3 @@ class GPVI_ELBO(_FunctionalGradientELBO):
             self.helper_hidden = hidden or state["hidden"]
         self.helper.load_state_dict(state["helper"])
         self.helper_optimizer.load_state_dict(state["optimizer"])
-
-
-class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
-    r"""Amortised SVGD (Wang & Liu 2016; GPVI paper eq. 14), GPVI's main baseline, as a
-    Pyro loss for any :class:`~pyro_implicit.guides.base.ImplicitAutoGuide`.
-
-    The same step as :class:`GPVI_ELBO` with the SVGD direction computed on the generator's
-    *outputs* (Sec. 3.5: the RKHS lives on u, not z), so no Jacobian is needed:
-
-    .. math::
-        G_b = -\frac1N \sum_a \big[s'_a\, k(u'_a, u_b) + \beta\, \nabla_{u'_a} k(u'_a,
-        u_b)\big] = -\phi^*(u_b) \quad\text{(eq. 13)},
-
-    back-propagated through :math:`u_b` by the surrogate :math:`\frac1N\sum_b \langle
-    \mathrm{sg}(G_b), u_b\rangle` (eq. 14). The scored batch :math:`u'` and the
-    gradient batch :math:`u` are independent draws by default (as the GPVI authors' code
-    runs its baseline); ``independent_batches=False`` is Wang & Liu's original single
-    batch. Kernel sums are matrix products: :math:`O(N^2 + N D)` memory.
-
-    The returned loss and :attr:`diagnostics` are as for :class:`GPVI_ELBO` (the mean
-    negative log target; no helper). Swapping the two losses is the one-line comparison::
-
-        svi = SVI(model, guide, optim, AmortizedSVGD_ELBO(num_particles=64))
-
-    :param int num_particles: N, the size of each batch.
-    :param kernel: kernel on u (default RBF, :math:`h = \mathrm{med}^2/\log N`).
-    :param bool independent_batches: see above.
-    :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
-    :param bool check_vectorization: check once that the model is safe under the particle
-        plate.
-
-    References
-
-    [1] `Learning to Draw Samples: With Application to Amortized MLE for Generative
-        Adversarial Learning`, Dilin Wang, Qiang Liu, 2016.
-    [2] `Generative Particle Variational Inference via Estimation of Functional
-        Gradients`, Roman Ratzlaff et al., ICML 2021 (Sec. 3.5).
-    """
-
-    pairing_hint = (
-        "AmortizedSVGD_ELBO trains a guide that packs all latents into one implicit "
-        "sampler: ImplicitGuide, SemiImplicitGuide or LinearizedGuide."
-    )
-
-    def _check_packed_guide(self, guide, model_trace):
-        if not isinstance(guide, ImplicitAutoGuide):
-            raise PairingError(
-                f"{type(guide).__name__} is not a packed guide. {self._pairing_hint()}"
-            )
-
-    def _direction(self, guide, guide_trace, site, score, scale):
-        n, mpn = self.num_particles, self.max_plate_nesting
-        pre = preconditioner_of(guide)
-        # in the preconditioner's whitened coordinates (identity for an unpreconditioned
-        # guide): the kernel's one bandwidth then suits every direction
-        rows = pre.whiten(packed_particles(site["value"], n, mpn))
-        u_score = rows.detach()
-        if self.independent_batches:
-            outputs = pre.whiten(guide.sample_unconstrained(n))
-        else:
-            outputs = rows
-        u = outputs.detach()
-        # translation invariant: centre for a well-conditioned Gram identity
-        shift = u_score.mean(0)
-        a, b = u_score - shift, u - shift
-        if self.independent_batches:
-            sigma = self._bandwidth(a, b)
-        else:
-            sigma = self._bandwidth(a)
-        d2 = squared_distances(a, b)
-        k = self.kernel.from_squared_distances(d2, sigma)
-        dk = self.kernel.derivative_wrt_squared_distance(d2, sigma)
-        # sum_a grad_{u'_a} k(u'_a, u_b) = 2 sum_a dk_ab (u'_a - u_b)
-        kernel_grad = 2.0 * (dk.T @ a - dk.sum(0).unsqueeze(-1) * b)
-        attraction = k.T @ score.detach()
-        repulsion = scale * kernel_grad
-        direction = -(attraction + repulsion) / n
-        self.diagnostics = {
-            "bandwidth": float(sigma),
-            "attraction": attraction.norm(dim=-1).mean().item() / n,
-            "repulsion": repulsion.norm(dim=-1).mean().item() / n,
-        }
-        return direction, outputs

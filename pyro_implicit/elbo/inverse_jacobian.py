@@ -1,0 +1,97 @@
+r"""GPVI's inverse-Jacobian products :math:`J_f(z)^{-\top} v` (Ratzlaff et al. 2021,
+Sec. 3.3): the helper network that estimates them (eq. 9), its least-squares residual
+(eqs. 10-11), and the exact solve ("GPVI Exact Jac", App. D.1). Pure functions and a
+plain ``nn.Module``: :class:`~pyro_implicit.elbo.gpvi.GPVI_ELBO` uses them, and they can
+be tested and reused alone.
+"""
+
+import torch
+from torch import nn
+
+from .livi import jacobian
+
+__all__ = ["InverseJacobianNetwork", "exact_inverse_jvp", "helper_residual"]
+
+
+class InverseJacobianNetwork(nn.Module):
+    r"""GPVI's helper network :math:`h_\eta(z'^{(:k)}, v) \approx J_f(z')^{-\top} v`
+    (Sec. 3.3, eq. 9; architecture of App. B.1).
+
+    One fully connected ReLU layer on each input (the k leading noise coordinates, on which
+    the Jacobian of eq. 7 depends, and the D-vector v); the two branches are concatenated
+    and passed through ``num_layers`` ReLU layers of width 2H and a linear output of size D.
+    No batch norm, no weight decay (App. B.1: they hurt, the target being an exact
+    solution).
+
+    :param int active_dim: k.
+    :param int dim: D.
+    :param int hidden_dim: H, the width of each branch.
+    :param int num_layers: hidden layers after the concatenation (paper: 3).
+    """
+
+    def __init__(self, active_dim, dim, hidden_dim, num_layers=3):
+        super().__init__()
+        self.active_dim, self.dim = int(active_dim), int(dim)
+        self.noise_branch = nn.Sequential(nn.Linear(self.active_dim, hidden_dim), nn.ReLU())
+        self.vector_branch = nn.Sequential(nn.Linear(self.dim, hidden_dim), nn.ReLU())
+        layers, width = [], 2 * hidden_dim
+        for _ in range(num_layers):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.trunk = nn.Sequential(*layers, nn.Linear(width, self.dim))
+
+    def forward(self, noise_head, vector):
+        joint = torch.cat([self.noise_branch(noise_head), self.vector_branch(vector)], dim=-1)
+        return self.trunk(joint)
+
+
+def _pairs(z, v):
+    """Repeat each row of ``z`` ``(A, D)`` for the ``B`` vectors of ``v`` ``(A, B, D)``."""
+    a, b, d = v.shape
+    return z.detach().unsqueeze(1).expand(a, b, z.shape[-1]).reshape(a * b, -1), v.reshape(-1, d)
+
+
+def helper_residual(helper, generator, z, v):
+    r"""The residual :math:`J_f(z_a)^\top h_\eta(z_a^{(:k)}, v_{ab}) - v_{ab}` of the helper's
+    least-squares loss (eqs. 10-11), whose minimiser is :math:`h = J_f^{-\top} v`.
+
+    :math:`J_f^\top h` is one vector-Jacobian product through the generator (eq. 11; for a
+    :class:`SkipGenerator` autograd gives exactly :math:`\mathrm{pad}(J_g^\top h) + \lambda
+    h`), kept differentiable in h (``create_graph``) so the loss can be differentiated with
+    respect to :math:`\eta`. Differentiate only with respect to the helper's parameters
+    (``torch.autograd.grad``): the graph also runs through the generator's parameters.
+
+    :param helper: an :class:`InverseJacobianNetwork`.
+    :param generator: ``(..., D) -> (..., D)``, row-wise.
+    :param torch.Tensor z: ``(A, D)`` noise points z'.
+    :param torch.Tensor v: ``(A, B, D)`` vectors, B per noise point.
+    :return: ``(A, B, D)`` residuals.
+    """
+    k = getattr(generator, "active_dim", z.shape[-1])
+    rows, vectors = _pairs(z, v)
+    with torch.enable_grad():
+        rows = rows.requires_grad_()
+        y = helper(rows.detach()[:, :k], vectors.detach())
+        (jty,) = torch.autograd.grad(generator(rows), rows, grad_outputs=y, create_graph=True)
+    return (jty - vectors.detach()).reshape(v.shape)
+
+
+def exact_inverse_jvp(generator, z, v):
+    r""":math:`J_f(z_a)^{-\top} v_{ab}` by forming the Jacobian and solving (GPVI "Exact
+    Jac", App. D.1), with one LU factorisation per noise point. Not differentiable.
+
+    :param generator: ``(..., D) -> (..., D)``, row-wise.
+    :param torch.Tensor z: ``(A, D)``.
+    :param torch.Tensor v: ``(A, B, D)``.
+    :return: ``(A, B, D)``.
+    """
+    with torch.no_grad():
+        jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
+        try:
+            solved = torch.linalg.solve(jac.mT, v.detach().mT)  # (A, D, B)
+        except torch.linalg.LinAlgError as e:
+            raise ValueError(
+                "the generator's Jacobian is singular at a noise point, so J^{-T} v does not "
+                "exist; GPVI needs an invertible generator: use ImplicitGuide(model, "
+                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)"
+            ) from e
+    return solved.mT
