@@ -20,15 +20,18 @@ The bar (the issue's): mean error < 0.2, sd ratios in [0.85, 1.15], correlation 
 
 import argparse
 import json
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyro
 import torch
 from pyro.infer import SVI
 
-from pyro_implicit import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import provenance  # noqa: E402
+
+from pyro_implicit import (  # noqa: E402
     GPVI_ELBO,
     LIVI_ELBO,
     SIVI_ELBO,
@@ -39,12 +42,12 @@ from pyro_implicit import (
     SemiImplicitGuide,
     WeightSpaceSVGD,
 )
-from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS
-from pyro_implicit.diagnostics.compare import _fit as compare_fit
-from pyro_implicit.diagnostics.compare import posterior_draws
-from pyro_implicit.diagnostics.methods import resolve_name
-from pyro_implicit.elbo.gpvi import gpvi_generator
-from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
+from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS  # noqa: E402
+from pyro_implicit.diagnostics.compare import _fit as compare_fit  # noqa: E402
+from pyro_implicit.diagnostics.compare import posterior_draws  # noqa: E402
+from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
+from pyro_implicit.elbo.gpvi import gpvi_generator  # noqa: E402
+from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws  # noqa: E402
 
 #: method (the registry's names) -> how a new user builds it with the defaults: (guide,
 #: loss) or particles
@@ -154,22 +157,14 @@ def main(argv=None):
     pyro.enable_validation(True)
     dtype = getattr(torch, args.dtype)
     # the commit of the code that runs, read before it runs
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    record = provenance(__file__, argv, {k: v for k, v in vars(args).items() if k != "out"})
     # an old name (implicit) runs its method under its new name, with a FutureWarning
     methods = [resolve_name(m) for m in args.methods.split(",")]
     rows = run(methods, args.problems.split(","), args.steps,
                args.precondition, args.settings, args.seed, dtype)
     print(markdown(rows))
     if args.out:
-        record = {
-            "command": "python " + " ".join(sys.argv),
-            "commit": commit,
-            "date": time.strftime("%Y-%m-%d"),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"},
-            "bar": BAR,
-            "rows": rows,
-        }
+        record.update(date=time.strftime("%Y-%m-%d"), bar=BAR, rows=rows)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
 

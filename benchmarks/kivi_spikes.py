@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import uci  # noqa: E402  (the runner: settings, KIVI's pieces, metrics)
+from _provenance import provenance  # noqa: E402
 
 from pyro_implicit.datasets import load_uci  # noqa: E402
 
@@ -125,8 +126,8 @@ def main(argv=None):
         runs[name] = trace_run(split, config, args.seed + args.split, args.every)
         print(f"# {name}: final RMSE {runs[name]['rmse']:.3f}, test LL {runs[name]['ll']:.3f}",
               flush=True)
-    result = {"command": "python benchmarks/kivi_spikes.py " + " ".join(argv or sys.argv[1:]),
-              "dataset": args.dataset, "split": args.split, "runs": runs}
+    result = {**provenance(__file__, argv, vars(args)), "dataset": args.dataset,
+              "split": args.split, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -17,18 +17,21 @@ under 10%).
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyro
 import torch
 from pyro.infer import SVI
 
-from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide
-from pyro_implicit.bnn import BNNRegression
-from pyro_implicit.datasets import load_uci
-from pyro_implicit.diagnostics.methods import resolve_name
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import command_line, git_commit, utc_now  # noqa: E402
+
+from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide  # noqa: E402
+from pyro_implicit.bnn import BNNRegression  # noqa: E402
+from pyro_implicit.datasets import load_uci  # noqa: E402
+from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
 
 
 def main(argv=None):
@@ -62,9 +65,8 @@ def main(argv=None):
         svi.step(x, y)
         times.append(time.perf_counter() - t)
     step = statistics.median(times)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    print(f"command: python {' '.join(sys.argv)}; commit {commit}; one torch thread, float32")
+    print(f"command: {command_line(__file__, argv)}; commit {git_commit()}; {utc_now()}; one "
+          "torch thread, float32")
     print(f"model: BNN {data.in_dim}-{args.hidden}-1 on {args.dataset} split 0 "
           f"(n = {x.shape[0]}, D = {guide.latent_dim})")
     print(f"preconditioner: {guide.preconditioner.kind}, source {guide.preconditioner.source}, "

@@ -21,15 +21,18 @@ computes the metrics, so every method is scored the same way.
 Every method runs its paper's raw-space settings, pinned against the library's defaults:
 ``precondition=False`` for the guides and weight-space SVGD, KIVI's prior contrast
 (``adaptive_contrast=False`` unless ``--set`` asks otherwise).
+
+This file is the runner (command line, scoring, result files); the configuration is in
+``uci_config.py`` and the methods in ``uci_methods.py``, both re-exported here. Method
+names are the method registry's (``pyro_implicit.diagnostics.methods.resolve_name``), and
+each result file records its command, commit, UTC time and versions (``_provenance.py``)
+beside every split's own commit.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,19 +40,57 @@ from pathlib import Path
 import numpy as np
 import pyro
 import torch
-from pyro import poutine
-from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDelta, AutoGuideList
-from pyro.infer.autoguide.initialization import init_to_sample
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import pyro_implicit  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import (  # noqa: E402, F401
+    REPO_ROOT,
+    RESULTS_DIR,
+    command_line,
+    git_commit,
+    utc_now,
+    versions,
+)
 
-from pyro_implicit import ImplicitGuide, KernelRatioELBO  # noqa: E402
-from pyro_implicit.bnn import BNNRegression  # noqa: E402
+# the configuration and the methods live beside the runner; every name is re-exported here
+from uci_config import (  # noqa: E402, F401
+    _FPOVI_OPTIONAL,
+    _FPOVI_SMALL,
+    _LIVI_OPTIONAL,
+    _SMALL,
+    COMMON,
+    DEFAULTS,
+    METHOD_DEFAULTS,
+    METHOD_OPTIONAL_SETTINGS,
+    OPTIONAL_SETTINGS,
+    SMOKE,
+    _fpovi_defaults,
+    _livi_defaults,
+    run_config,
+)
+from uci_methods import (  # noqa: E402, F401
+    KIVI_GENERATORS,
+    METHODS,
+    KIVIFit,
+    _fit_particles,
+    _fpovi_init,
+    _fpovi_inputs,
+    _gamma_precision_guide,
+    _init_scaled,
+    _kivi_site_options,
+    build_kivi,
+    fit_fsvgd,
+    fit_kivi,
+    fit_livi,
+    fit_map,
+    fit_wsvgd,
+    make_model,
+    noise_std,
+    num_steps,
+    optimizer,
+    predict_kivi,
+    train_minibatches,
+)
+
 from pyro_implicit.datasets import (  # noqa: E402
     UCI_DATASETS,
     gaussian_test_ll,
@@ -59,545 +100,8 @@ from pyro_implicit.datasets import (  # noqa: E402
 )
 from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
 
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-
-# ----------------------------------------------------------------------------------------
-# configuration
-# ----------------------------------------------------------------------------------------
-
-#: settings shared by all data sets (KIVI, Sec. 6.2.1 and App. E)
-COMMON = {
-    "batch_size": 100,
-    "lr": 1e-3,
-    "prior_scale": 1.0,
-    "precision_prior": [6.0, 6.0],
-    "activation": "relu",
-    # posterior samples drawn for the test predictions (sampling methods; MAP uses one)
-    "num_samples": 100,
-}
-
-# KIVI: 3000 epochs for data sets with fewer than 1000 points, else 500. We apply the rule to
-# the training-set size of the standard splits (boston 455, concrete 927, energy 691,
-# yacht 277 are "small"); concrete has 1030 points in all, so the paper is ambiguous for it.
-_SMALL = {"boston", "concrete", "energy", "yacht"}
-
-#: per-data-set default configuration; ``--epochs`` and ``--set KEY=VALUE`` override it
-DEFAULTS = {
-    name: {
-        **COMMON,
-        "epochs": 3000 if name in _SMALL else 500,
-        "hidden_dims": [100] if name == "protein" else [50],
-    }
-    for name in UCI_DATASETS
-}
-
-#: f-POVI (Wang et al., 2019, Sec. 5.2.1 and App. A.2.1; the authors' UCI code for what the
-#: paper leaves out): one hidden layer of 50 ReLU units (protein 100), weight prior
-#: N(0, 1/n_out) per layer, InverseGamma(1, 0.1) prior on the noise std (per-particle MAP in
-#: f-SVGD), 20 particles, Adam 4e-3, batch 100 and 500 epochs if the data set has fewer than
-#: 1000 points, else batch 1000 and 1000 epochs (the paper; the released script uses 3000),
-#: 100 extra KDE points per step (ptb_scale 1), 40 prior draws on a prior batch of 4,
-#: eigenvalue clip 1e-3, inputs scaled to x / (std * sqrt(D)).
-_FPOVI_SMALL = {"boston", "energy", "yacht"}  # N < 1000 (whole data set, as the code)
-
-
-def _fpovi_defaults(name):
-    small = name in _FPOVI_SMALL
-    return {
-        "batch_size": 100 if small else 1000,
-        "epochs": 500 if small else 1000,
-        "lr": 4e-3,
-        "prior_scale": "fan_out",
-        "precision_prior": None,
-        "noise_std_prior": [1.0, 0.1],
-        "noise_std_init": 0.5,
-        "num_particles": 20,
-        "num_extra": 100,
-        "ptb_scale": 1.0,
-        "num_prior_samples": 40,
-        "prior_batch_size": 4,
-        "prior_eig_min": 1e-3,
-        "input_scale": "sqrt_dim",
-    }
-
-
-#: LIVI (Uppal et al. 2023, Sec. 6.3 and App. E.4): one hidden layer of 50 units, N(0, 1)
-#: weight prior, noise variance by type-II maximum likelihood, one MLP generator for all
-#: weights. The paper says its UCI set-up follows Shi et al. (2018), so the epochs are
-#: KIVI's (:data:`DEFAULTS`: 3000 for the small sets, 500 for kin8nm and naval); it gives no
-#: widths, learning rate or sigma (and the authors released no UCI script), so these are
-#: ours: noise dimension 64, one hidden layer of 128 units, sigma = 1e-3 (the code's
-#: default), Adam 1e-3, batch 100, S = 4 draws per step. A shorter schedule under-trains:
-#: on energy split 0, L' with 600 epochs gave RMSE 0.648 and with 3000 epochs 0.494 (Adam
-#: 3e-3 with 600 epochs diverged, RMSE 10.1); benchmarks/results/livi.md keeps the
-#: 600-epoch runs.
-
-
-def _livi_defaults(name):
-    return {
-        "batch_size": 100,
-        "epochs": DEFAULTS[name]["epochs"],
-        "lr": 1e-3,
-        "prior_scale": 1.0,
-        "precision_prior": None,
-        "learn_noise": True,
-        "noise_scale": 1.0,
-        "activation": "relu",
-        "hidden_dims": [50],
-        "num_samples": 100,
-        "noise_dim": 64,
-        "generator_hidden": [128],
-        "sigma": 1e-3,
-        "num_particles": 4,
-        "bound": "det",
-    }
-
-
-#: per-method changes to :data:`DEFAULTS` (methods not listed use DEFAULTS as they are)
-METHOD_DEFAULTS = {
-    # KIVI's App. E: an explicit Gamma q for the noise precision (exact KL term). An implicit
-    # generator for it lets the precision run away (benchmarks/results/kivi_collapse.md);
-    # the earlier runs made that way (``precision_q="implicit"``) are in uci_kivi_part*.json.
-    "kivi": lambda name: {"precision_q": "gamma"},
-    "fsvgd": _fpovi_defaults,
-    "wsvgd": _fpovi_defaults,
-    "livi": _livi_defaults,
-    "livi_svd": lambda name: {**_livi_defaults(name), "bound": "svd"},
-}
-
-#: what ``--smoke`` changes: a run of seconds that exercises the whole pipeline
-SMOKE = {"epochs": 2, "num_samples": 4}
-
-#: keys a run reads when ``--set`` gives them and otherwise leaves at a built-in value: the
-#: model's and optimiser's (every method), then each method's own. ``--set`` refuses any
-#: other key that is not in the method's configuration, so a misspelt setting cannot run
-#: silently with the default.
-OPTIONAL_SETTINGS = {"noise_std_prior", "noise_scale", "learn_noise", "clip_norm"}
-_FPOVI_OPTIONAL = {"input_scale", "noise_std_init"}
-# the authors' code reweights entropy and prior (LIVI_ELBO's tempering; unset = the paper)
-_LIVI_OPTIONAL = {"init_scale", "entropy_weight", "prior_weight"}
-METHOD_OPTIONAL_SETTINGS = {
-    "kivi": {"precision_q", "init_scale", "num_particles", "regularizer", "clip",
-             "adaptive_contrast"},
-    "fsvgd": _FPOVI_OPTIONAL,
-    "wsvgd": _FPOVI_OPTIONAL,
-    "livi": _LIVI_OPTIONAL,
-    "livi_svd": _LIVI_OPTIONAL,
-}
-
-
-# ----------------------------------------------------------------------------------------
-# methods
-# ----------------------------------------------------------------------------------------
-
-
-def make_model(split, config):
-    """The BNN regression model of the benchmark for a split and a configuration.
-
-    :param pyro_implicit.datasets.UCISplit split: the data split (for the input size).
-    :param dict config: the run configuration (``hidden_dims``, ``activation``,
-        ``prior_scale``, ``precision_prior``).
-    :rtype: pyro_implicit.bnn.BNNRegression
-    """
-    prior = config.get("precision_prior")
-    std_prior = config.get("noise_std_prior")
-    scale = config.get("prior_scale", 1.0)
-    return BNNRegression(
-        split.in_dim,
-        hidden_dims=tuple(config["hidden_dims"]),
-        activation=config.get("activation", "relu"),
-        prior_scale=tuple(scale) if isinstance(scale, list) else scale,
-        precision_prior=None if prior is None else tuple(prior),
-        noise_scale=config.get("noise_scale", 1.0),
-        noise_std_prior=None if std_prior is None else tuple(std_prior),
-        learn_noise=bool(config.get("learn_noise", False)),
-    )
-
-
-def num_steps(n_train, config):
-    """Optimisation steps for ``config["epochs"]`` passes of minibatches of ``batch_size``.
-
-    :param int n_train: number of training points.
-    :param dict config: the run configuration.
-    :rtype: int
-    """
-    batch = min(int(config["batch_size"]), n_train)
-    return int(config["epochs"]) * math.ceil(n_train / batch)
-
-
-def train_minibatches(step, x, y, config, progress, describe, report_every=None):
-    """Run ``config["epochs"]`` passes over the data in minibatches of ``batch_size`` drawn
-    by the model's data plate, printing a progress line every ``report_every`` steps (by
-    default ten in all).
-
-    :param callable step: ``step(x, y, subsample_size=...)``, e.g. ``SVI.step``; returns
-        what ``describe`` reads.
-    :param torch.Tensor x: training inputs.
-    :param torch.Tensor y: training targets.
-    :param dict config: the run configuration.
-    :param callable progress: ``progress(message)`` prints a progress line.
-    :param callable describe: ``describe(result, n)`` gives the progress text of a step's
-        result (``n`` is the number of training points).
-    :param int report_every: steps between progress lines.
-    """
-    n = x.shape[0]
-    batch = min(int(config["batch_size"]), n)
-    steps = num_steps(n, config)
-    report_every = report_every or max(1, steps // 10)
-    for i in range(steps):
-        result = step(x, y, subsample_size=batch)
-        if (i + 1) % report_every == 0 or i + 1 == steps:
-            progress(f"step {i + 1}/{steps}  {describe(result, n)}")
-
-
-def optimizer(config):
-    """Adam with the run's ``lr``, the papers' optimiser; with a ``clip_norm`` setting,
-    Pyro's ``ClippedAdam``, which clamps each gradient element to +-clip_norm (not in the
-    papers; see ``benchmarks/results/kivi_spikes.md``)."""
-    clip_norm = config.get("clip_norm")
-    if clip_norm is None:
-        return pyro.optim.Adam({"lr": config["lr"]})
-    return pyro.optim.ClippedAdam({"lr": config["lr"], "clip_norm": float(clip_norm)})
-
-
-def noise_std(model, draws, f):
-    """Observation noise sd per draw in normalised units, however the model sets it: a
-    ``noise_std`` site, a ``precision`` site, a fitted ``noise_scale`` parameter or the fixed
-    ``noise_scale``.
-
-    :param pyro_implicit.bnn.BNNRegression model: the benchmark model.
-    :param dict draws: the draws behind ``f`` (site name -> tensor with a leading draw dim).
-    :param torch.Tensor f: ``(S, n_test)`` function values of those draws.
-    :rtype: torch.Tensor
-    """
-    num = f.shape[0]
-    if "noise_std" in draws:
-        return draws["noise_std"].reshape(num)
-    if "precision" in draws:
-        return draws["precision"].rsqrt().reshape(num)
-    if model.learn_noise:
-        return pyro.param("noise_scale").detach().to(f).expand(num)
-    return f.new_full((num,), model.noise_scale)
-
-
-def _init_scaled(site):
-    """Initial value of a site: weights ~ N(0, 1 / fan_in), other sites from the prior.
-
-    The prior median (zero) would start every hidden unit alike so they could never
-    differ, and a unit-variance prior draw gives large outputs that Adam takes long to undo.
-    """
-    if site["name"].startswith("layer"):
-        fan_in = site["fn"].event_shape[0]  # in_features + 1 (the bias row)
-        return torch.randn_like(site["fn"].sample()) / math.sqrt(fan_in)
-    return init_to_sample(site)
-
-
-def fit_map(split, config, seed, progress):
-    """MAP estimate of the benchmark BNN (weights and noise precision) with Adam.
-
-    A point-mass guide (``AutoDelta``, weights initialised by a scaled prior draw, see
-    :func:`_init_scaled`) trained with minibatches of ``batch_size`` for ``epochs`` passes
-    over the data.
-
-    :param pyro_implicit.datasets.UCISplit split: the normalised data split.
-    :param dict config: the run configuration.
-    :param int seed: seed of this fit (the runner has already called ``pyro.set_rng_seed``).
-    :param callable progress: ``progress(message)`` prints a progress line.
-    :returns: ``f_samples_norm`` of shape ``(1, n_test)`` and ``noise_scale_norm`` of shape
-        ``(1,)``.
-    """
-    del seed  # the runner seeds Pyro's global generators
-    pyro.clear_param_store()
-    model = make_model(split, config)
-    guide = AutoDelta(model, init_loc_fn=_init_scaled)
-    svi = SVI(model, guide, optimizer(config), Trace_ELBO(max_plate_nesting=1))
-    x, y = split.x_train, split.y_train
-    train_minibatches(svi.step, x, y, config, progress, lambda loss, n: f"loss/n {loss / n:.4f}")
-    with torch.no_grad():
-        point = guide.median(x, y)
-        f = model.forward(point, split.x_test).unsqueeze(0)
-        noise = noise_std(model, point, f)
-    return f, noise
-
-
-#: KIVI's implicit posteriors for UCI (Table 3): (noise dim, hidden widths) per layer.
-KIVI_GENERATORS = {
-    "boston": [(20, (30,)), (20, (30,))],
-    "concrete": [(30, (50,)), (30, (50,))],
-    "energy": [(100, (500,)), (50, (100,))],
-    "kin8nm": [(100, (500,)), (50, (100,))],
-    "naval": [(100, (500,)), (50, (100,))],
-    "power": [(100, (500,)), (100, (500,))],
-    "protein": [(100, (500,)), (100, (500,))],
-    "wine": [(20, (10,)), (5, (20,))],
-    "yacht": [(100, (800, None)), (50, (200, 51))],  # None: KIVI's second layer of size N1
-}
-
-
-def _kivi_site_options(split, model):
-    sizes = KIVI_GENERATORS[split.name]
-    options = {}
-    for name, (noise, hidden), shape in zip(model.layer_names, sizes, model.layer_shapes,
-                                            strict=True):
-        numel = math.prod(shape)
-        options[name] = {"noise_dim": noise,
-                         "hidden_dims": tuple(numel if h is None else h for h in hidden)}
-    # The noise precision gets a small generator of its own, unless the run asks for
-    # KIVI's explicit Gamma q (App. E, ``precision_q="gamma"``, see :func:`fit_kivi`).
-    options["precision"] = {"noise_dim": 5, "hidden_dims": (20,)}
-    return options
-
-
-def _gamma_precision_guide(*args, **kwargs):
-    """KIVI's explicit q(precision) = Gamma(shape, rate) (App. E), started at the prior
-    Gamma(6, 6)."""
-    del args, kwargs
-    positive = torch.distributions.constraints.positive
-    shape = pyro.param("q_precision_shape", torch.tensor(6.0), constraint=positive)
-    rate = pyro.param("q_precision_rate", torch.tensor(6.0), constraint=positive)
-    pyro.sample("precision", pyro.distributions.Gamma(shape, rate))
-
-
-@dataclasses.dataclass
-class KIVIFit:
-    """KIVI's pieces for one split (see :func:`build_kivi`)."""
-
-    model: BNNRegression
-    weights: ImplicitGuide  # the implicit guide of the weights
-    elbo: KernelRatioELBO
-    svi: SVI
-    explicit: bool  # the precision has KIVI's explicit Gamma q
-
-
-def build_kivi(split, config):
-    """KIVI (Shi et al., 2018): layer-wise implicit posterior (``ImplicitGuide`` with
-    per-site MLP generators of the paper's Table 3 sizes) trained with
-    ``KernelRatioELBO`` (n_p = n_q = 100, lambda = 1e-3, clip 1e-8) and Adam
-    (:func:`optimizer`). The noise precision gets the paper's explicit Gamma q with an exact
-    KL term (App. E; ``KernelRatioELBO(exact_sites=...)``; ``precision_q="gamma"``, the
-    runner's default for KIVI) or, with ``precision_q="implicit"``, a small implicit
-    generator of its own.
-
-    :rtype: KIVIFit
-    """
-    pyro.clear_param_store()
-    model = make_model(split, config)
-    precision_q = config.get("precision_q", "implicit")
-    if precision_q not in ("implicit", "gamma"):
-        raise ValueError(f"precision_q must be 'implicit' or 'gamma', got {precision_q!r}")
-    explicit = precision_q == "gamma" and model.precision_prior is not None
-    options = _kivi_site_options(split, model)
-    if explicit:
-        del options["precision"]
-        weights = ImplicitGuide(
-            poutine.block(model, hide=["precision"]),
-            per_site=True,
-            site_options=options,
-            init_loc_fn=_init_scaled,
-            init_scale=config.get("init_scale", 0.1),
-            precondition=False,  # the paper's raw-space generators
-        )
-        guide = AutoGuideList(model)
-        guide.append(weights)
-        guide.append(_gamma_precision_guide)
-    else:
-        weights = guide = ImplicitGuide(
-            model,
-            per_site=True,
-            site_options=options,
-            init_loc_fn=_init_scaled,
-            init_scale=config.get("init_scale", 0.1),
-            precondition=False,
-        )
-    elbo = KernelRatioELBO(
-        num_particles=int(config.get("num_particles", 100)),
-        regularizer=float(config.get("regularizer", 1e-3)),
-        clip=float(config.get("clip", 1e-8)),
-        adaptive_contrast=config.get("adaptive_contrast", False),
-        exact_sites=("precision",) if explicit else (),
-        max_plate_nesting=1,
-    )
-    svi = SVI(model, guide, optimizer(config), elbo)
-    return KIVIFit(model, weights, elbo, svi, explicit)
-
-
-def predict_kivi(fit, x, num_samples):
-    """``(f, noise)``: ``num_samples`` draws of the function at ``x`` and of the noise sd.
-
-    :param KIVIFit fit: a trained :func:`build_kivi`.
-    """
-    with torch.no_grad():
-        draws = fit.weights.sample_posterior(num_samples)
-        f = fit.model.forward(draws, x)
-        if fit.explicit:
-            q = pyro.distributions.Gamma(
-                pyro.param("q_precision_shape"), pyro.param("q_precision_rate")
-            )
-            noise = q.sample((num_samples,)).rsqrt().to(f.dtype)
-        else:
-            noise = noise_std(fit.model, draws, f)
-    return f, noise
-
-
-def fit_kivi(split, config, seed, progress):
-    """KIVI (:func:`build_kivi`) trained with minibatches of ``batch_size`` scaled by the
-    data plate for ``epochs`` passes.
-
-    See :func:`fit_map` for the signature; returns ``num_samples`` posterior draws.
-    """
-    del seed
-    fit = build_kivi(split, config)
-
-    def describe(loss, n):
-        clipped = max(d["clipped_fraction"] for d in fit.elbo.diagnostics.values())
-        return f"loss/n {loss / n:.4f}  clipped {clipped:.2f}"
-
-    train_minibatches(fit.svi.step, split.x_train, split.y_train, config, progress, describe)
-    return predict_kivi(fit, split.x_test, int(config["num_samples"]))
-
-
-def _fpovi_inputs(split, config):
-    """Training and test inputs as f-POVI's UCI code scales them: the runner's standardised
-    features divided by ``sqrt(D)`` (``input_scale="sqrt_dim"``), so that each feature has
-    standard deviation :math:`1/\\sqrt{D}` and :math:`\\|x\\| \\approx 1`."""
-    if config.get("input_scale") == "sqrt_dim":
-        c = 1.0 / math.sqrt(split.in_dim)
-        return split.x_train * c, split.x_test * c
-    return split.x_train, split.x_test
-
-
-def _fpovi_init(model, config, n, dtype):
-    """Initial particles: weights drawn from the prior, noise std ``noise_std_init`` (the
-    code's softplus parameter starts at 0.5 in standardised units)."""
-    init = {
-        name: torch.randn((n,) + tuple(shape), dtype=dtype) * s
-        for name, shape, s in zip(
-            model.layer_names, model.layer_shapes, model.layer_prior_scales, strict=True
-        )
-    }
-    if model.noise_std_prior is not None:
-        init["noise_std"] = torch.full((n,), float(config.get("noise_std_init", 0.5)), dtype=dtype)
-    elif model.precision_prior is not None:
-        init["precision"] = torch.full((n,), 1.0, dtype=dtype)
-    return init
-
-
-def _fit_particles(split, config, progress, function_space):
-    from pyro_implicit.particles import FunctionSpaceSVGD, KDEInputs, WeightSpaceSVGD
-
-    pyro.clear_param_store()
-    model = make_model(split, config)
-    x, x_test = _fpovi_inputs(split, config)
-    y = split.y_train
-    n_particles = int(config["num_particles"])
-    init = _fpovi_init(model, config, n_particles, x.dtype)
-    optim = optimizer(config)
-    if function_space:
-        inference = FunctionSpaceSVGD(
-            model,
-            optim,
-            n_particles,
-            max_plate_nesting=1,
-            num_prior_samples=int(config["num_prior_samples"]),
-            prior_batch_size=int(config["prior_batch_size"]),
-            prior_eig_min=float(config["prior_eig_min"]),
-            nu=KDEInputs(int(config["num_extra"]), float(config["ptb_scale"])),
-            init_particles=init,
-        )
-    else:
-        # the raw weight space with Liu & Wang's bandwidth, as the papers
-        inference = WeightSpaceSVGD(model, optim, n_particles, max_plate_nesting=1,
-                                    init_particles=init, precondition=False)
-
-    def describe(diag, n):
-        ll = diag.get("log_likelihood", diag.get("log_joint"))
-        return (
-            f"loglik/n {ll / n:.4f}  attr {diag['attractive']:.3g}  "
-            f"rep {diag['repulsive']:.3g}  bw {diag['bandwidth']:.3g}"
-        )
-
-    train_minibatches(inference.step, x, y, config, progress, describe)
-    with torch.no_grad():
-        particles = inference.get_named_particles()
-        f = model.forward(particles, x_test)
-        noise = noise_std(model, particles, f)
-    return f, noise
-
-
-def fit_fsvgd(split, config, seed, progress):
-    """Function-space SVGD (f-POVI, Wang et al. 2019, Algorithm 1) with the paper's UCI
-    settings (:func:`_fpovi_defaults`): the kernel acts on the particles' function values
-    at the minibatch plus 100 KDE points (eq. 4), the prior score is the moment-matched
-    Gaussian of 40 prior networks at 4 points, and each particle's noise std takes a MAP
-    step under its InverseGamma(1, 0.1) prior. Predictions are the equal-weight mixture
-    over the particles.
-
-    See :func:`fit_map` for the signature; returns one draw per particle.
-    """
-    del seed
-    return _fit_particles(split, config, progress, function_space=True)
-
-
-def fit_wsvgd(split, config, seed, progress):
-    """Weight-space SVGD (Liu & Wang, 2016) on the same model and settings as
-    :func:`fit_fsvgd` (RBF kernel on all latents, median rule; the noise std is part of
-    each particle and the weight prior enters the score).
-
-    See :func:`fit_map` for the signature; returns one draw per particle.
-    """
-    del seed
-    return _fit_particles(split, config, progress, function_space=False)
-
-
-def fit_livi(split, config, seed, progress):
-    """LIVI (Uppal et al. 2023): ``LinearizedGuide`` (an MLP generator from ``noise_dim``
-    Gaussian noise to all weights, output noise ``sigma``) trained with ``LIVI_ELBO``:
-    ``bound="det"`` is L' (eq. 15), ``"svd"`` is L'' (eq. 18); the noise scale is a
-    parameter fitted by the same optimiser (type-II maximum likelihood).
-
-    See :func:`fit_map` for the signature; returns ``num_samples`` posterior draws.
-    """
-    from pyro_implicit import LIVI_ELBO, LinearizedGuide
-
-    del seed
-    pyro.clear_param_store()
-    model = make_model(split, config)
-    guide = LinearizedGuide(
-        model,
-        noise_dim=int(config["noise_dim"]),
-        hidden_dims=tuple(config["generator_hidden"]),
-        sigma=float(config["sigma"]),
-        init_loc_fn=_init_scaled,
-        init_scale=config.get("init_scale", 0.1),
-        precondition=False,  # the paper's raw-space generator
-    )
-    # tempering only when asked for: LIVI_ELBO's own defaults are the paper's ELBO
-    weights = {k: float(config[k]) for k in ("entropy_weight", "prior_weight") if k in config}
-    elbo = LIVI_ELBO(num_particles=int(config["num_particles"]), bound=config["bound"],
-                     max_plate_nesting=1, **weights)
-    svi = SVI(model, guide, optimizer(config), elbo)
-
-    def describe(loss, n):
-        return f"loss/n {loss / n:.4f}  noise {pyro.param('noise_scale').item():.4f}"
-
-    train_minibatches(svi.step, split.x_train, split.y_train, config, progress, describe)
-    with torch.no_grad():
-        draws = guide.sample_posterior(int(config["num_samples"]))
-        f = model.forward(draws, split.x_test)
-        noise = noise_std(model, draws, f)
-    return f, noise
-
-
-#: name -> fit_predict(split, config, seed, progress) -> (f_samples_norm, noise_scale_norm)
-METHODS = {
-    "map": fit_map,
-    "kivi": fit_kivi,
-    "fsvgd": fit_fsvgd,
-    "wsvgd": fit_wsvgd,
-    "livi": fit_livi,
-    "livi_svd": fit_livi,
-}
-
+#: the checkout's commit, ``+`` if it has uncommitted changes (kept for old callers)
+_git_commit = git_commit
 
 # ----------------------------------------------------------------------------------------
 # running
@@ -786,37 +290,6 @@ def markdown_table(results):
     return "\n".join(lines)
 
 
-def run_config(method, name, overrides=None):
-    """The configuration of ``method`` on data set ``name``: :data:`DEFAULTS`, then what
-    :data:`METHOD_DEFAULTS` changes, then ``overrides``, whose keys must be ones the method
-    reads (see :data:`OPTIONAL_SETTINGS`).
-
-    :rtype: dict
-    """
-    method_defaults = METHOD_DEFAULTS.get(method)
-    config = {**DEFAULTS[name], **({} if method_defaults is None else method_defaults(name))}
-    known = set(config) | OPTIONAL_SETTINGS | METHOD_OPTIONAL_SETTINGS.get(method, set())
-    unknown = sorted(set(overrides or {}) - known)
-    if unknown:
-        raise SystemExit(
-            f"--set: method {method!r} has no setting {', '.join(unknown)}; "
-            f"it reads {', '.join(sorted(known))}"
-        )
-    return {**config, **(overrides or {})}
-
-
-def _git_commit():
-    """The checkout's commit (``+`` if it has uncommitted changes), or ``None``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
-
-
 def _write_json(results, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -854,19 +327,16 @@ def main(argv=None):
 
     results = {
         "method": args.method,
-        "command": "python benchmarks/uci.py " + " ".join(argv),
+        "command": command_line(__file__, argv),
         "argv": argv,
         "seed": args.seed,
         "smoke": args.smoke,
         "dtype": args.dtype,
         "threads": args.threads,
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "pyro": pyro.__version__,
-            "numpy": np.__version__,
-        },
+        "started_utc": utc_now(),
+        "commit": git_commit(),  # of this invocation; each split records its own too
+        "versions": versions(),
         "protocol": "standard splits; normalised with the training split; RMSE and per-point "
         "test log-likelihood in original units; mean and standard error over splits",
         "datasets": {},
@@ -885,7 +355,7 @@ def main(argv=None):
         results["resumed"] = previous.get("resumed", []) + [results["started"]]
         results["started"] = previous.get("started", results["started"])
     t_start = time.perf_counter() - previous.get("total_seconds", 0.0)
-    commit = _git_commit()
+    commit = results["commit"]
     for name in args.datasets:
         config = configs[name]
         available = num_splits(name)
