@@ -99,10 +99,20 @@ def fit_compare(method, problem, steps, precondition):
     """One fit with ``compare``'s settings for the method (the registry's, same name)."""
     name = resolve_name(method)
     lr = COMPARE_METHODS[name].lr
-    fitted, _ = compare_fit(name, problem.model, problem.args, {}, steps, lr,
-                            problem.max_plate_nesting, False, precondition)
-    draws, _ = posterior_draws(fitted, problem.model, problem.args, {}, NUM_DRAWS,
-                               problem.max_plate_nesting)
+    fitted, _ = compare_fit(
+        name,
+        problem.model,
+        problem.args,
+        {},
+        steps,
+        lr,
+        problem.max_plate_nesting,
+        False,
+        precondition,
+    )
+    draws, _ = posterior_draws(
+        fitted, problem.model, problem.args, {}, NUM_DRAWS, problem.max_plate_nesting
+    )
     return draws[problem.site]
 
 
@@ -119,20 +129,29 @@ def run(methods, problems, steps, precondition, settings, seed, dtype, log=print
             draws = fit(method, problem, steps, precondition)
             seconds = time.perf_counter() - start
             score = score_draws(draws, problem.posterior)
-            row = {"problem": name, "method": method, "seconds": seconds, **score,
-                   "passes": passes(score)}
+            row = {
+                "problem": name,
+                "method": method,
+                "seconds": seconds,
+                **score,
+                "passes": passes(score),
+            }
             rows.append(row)
-            log(f"{name:15s} {method:6s} mean {score['mean_error']:.3f} sd "
+            log(
+                f"{name:15s} {method:6s} mean {score['mean_error']:.3f} sd "
                 f"[{score['sd_ratio_min']:.3f}, {score['sd_ratio_max']:.3f}] corr "
                 f"{score['correlation_error']:.3f} {'ok' if row['passes'] else 'FAIL'} "
-                f"({seconds:.1f} s)")
+                f"({seconds:.1f} s)"
+            )
             sys.stdout.flush()
     return rows
 
 
 def markdown(rows):
-    lines = ["| problem | method | mean error | sd ratio | correlation error | passes | s |",
-             "|---|---|---:|---:|---:|---|---:|"]
+    lines = [
+        "| problem | method | mean error | sd ratio | correlation error | passes | s |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['problem']} | {r['method']} | {r['mean_error']:.3f} | "
@@ -160,8 +179,15 @@ def main(argv=None):
     record = provenance(__file__, argv, {k: v for k, v in vars(args).items() if k != "out"})
     # an old name (implicit) runs its method under its new name, with a FutureWarning
     methods = [resolve_name(m) for m in args.methods.split(",")]
-    rows = run(methods, args.problems.split(","), args.steps,
-               args.precondition, args.settings, args.seed, dtype)
+    rows = run(
+        methods,
+        args.problems.split(","),
+        args.steps,
+        args.precondition,
+        args.settings,
+        args.seed,
+        dtype,
+    )
     print(markdown(rows))
     if args.out:
         record.update(date=time.strftime("%Y-%m-%d"), bar=BAR, rows=rows)

@@ -50,8 +50,15 @@ def trace_run(split, config, seed, every, progress=print):
     """
     pyro.set_rng_seed(seed)
     fit = uci.build_kivi(split, config)
-    record = {"steps": [], "loss_per_point": [], "test_rmse": [], "train_rmse": [],
-              "grad_max": [], "steps_clamped": [], "elements_clamped": []}
+    record = {
+        "steps": [],
+        "loss_per_point": [],
+        "test_rmse": [],
+        "train_rmse": [],
+        "grad_max": [],
+        "steps_clamped": [],
+        "elements_clamped": [],
+    }
     taken = [0]
     # Gradient sizes as the optimiser receives them (read-only hooks): how often Pyro's
     # ClippedAdam, which clamps each gradient *element* to +-clip_norm, would act.
@@ -61,6 +68,7 @@ def trace_run(split, config, seed, every, progress=print):
     def hook(i):
         def read(g):
             grads[i] = g.detach().abs()
+
         return read
 
     def step(*args, **kwargs):
@@ -89,13 +97,16 @@ def trace_run(split, config, seed, every, progress=print):
         record["steps_clamped"].append(window["clamped_steps"] / steps)
         record["elements_clamped"].append(window["clamped"] / steps)
         window.update(max=0.0, steps=0, clamped_steps=0, clamped=0.0)
-        return (f"loss/n {loss / n:.3f}  test RMSE {record['test_rmse'][-1]:.3f}  "
-                f"train RMSE {record['train_rmse'][-1]:.3f}  max|grad| "
-                f"{record['grad_max'][-1]:.3g}  steps with |grad| > {CLAMP:g}: "
-                f"{record['steps_clamped'][-1]:.0%}")
+        return (
+            f"loss/n {loss / n:.3f}  test RMSE {record['test_rmse'][-1]:.3f}  "
+            f"train RMSE {record['train_rmse'][-1]:.3f}  max|grad| "
+            f"{record['grad_max'][-1]:.3g}  steps with |grad| > {CLAMP:g}: "
+            f"{record['steps_clamped'][-1]:.0%}"
+        )
 
-    uci.train_minibatches(step, split.x_train, split.y_train, config, progress, describe,
-                          report_every=every)
+    uci.train_minibatches(
+        step, split.x_train, split.y_train, config, progress, describe, report_every=every
+    )
     f, noise = uci.predict_kivi(fit, split.x_test, int(config["num_samples"]))
     record["rmse"], record["ll"] = uci.evaluate(f, noise, split)
     return record
@@ -106,8 +117,11 @@ def main(argv=None):
     parser.add_argument("--dataset", default="yacht")
     parser.add_argument("--split", type=int, default=3)
     parser.add_argument("--every", type=int, default=450, help="steps between evaluations")
-    parser.add_argument("--clip-norms", default="10",
-                        help="comma-separated ClippedAdam clip_norm values (besides Adam)")
+    parser.add_argument(
+        "--clip-norms",
+        default="10",
+        help="comma-separated ClippedAdam clip_norm values (besides Adam)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the runner's --seed")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--epochs", type=int, default=None, help="override (smoke runs)")
@@ -124,10 +138,16 @@ def main(argv=None):
         config = dict(base) if clip is None else {**base, "clip_norm": clip}
         print(f"# {name}", flush=True)
         runs[name] = trace_run(split, config, args.seed + args.split, args.every)
-        print(f"# {name}: final RMSE {runs[name]['rmse']:.3f}, test LL {runs[name]['ll']:.3f}",
-              flush=True)
-    result = {**provenance(__file__, argv, vars(args)), "dataset": args.dataset,
-              "split": args.split, "runs": runs}
+        print(
+            f"# {name}: final RMSE {runs[name]['rmse']:.3f}, test LL {runs[name]['ll']:.3f}",
+            flush=True,
+        )
+    result = {
+        **provenance(__file__, argv, vars(args)),
+        "dataset": args.dataset,
+        "split": args.split,
+        "runs": runs,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -38,8 +38,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="boston")
     parser.add_argument("--hidden", type=int, default=50)
-    parser.add_argument("--steps", type=int, default=2000,
-                        help="length of the default fit the set-up is compared with")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2000,
+        help="length of the default fit the set-up is compared with",
+    )
     parser.add_argument("--probe-steps", type=int, default=20)
     parser.add_argument("--guide", type=resolve_name, choices=["kivi", "livi"], default="kivi")
     parser.add_argument("--seed", type=int, default=0)
@@ -65,16 +69,24 @@ def main(argv=None):
         svi.step(x, y)
         times.append(time.perf_counter() - t)
     step = statistics.median(times)
-    print(f"command: {command_line(__file__, argv)}; commit {git_commit()}; {utc_now()}; one "
-          "torch thread, float32")
-    print(f"model: BNN {data.in_dim}-{args.hidden}-1 on {args.dataset} split 0 "
-          f"(n = {x.shape[0]}, D = {guide.latent_dim})")
-    print(f"preconditioner: {guide.preconditioner.kind}, source {guide.preconditioner.source}, "
-          f"{diag['seconds']:.2f} s in the search ({setup:.2f} s for the guide's first call); "
-          f"log-weight sd of the Laplace {diag.get('laplace_log_weight_sd', float('nan')):.3g}, "
-          f"clamped curvatures {diag.get('clamped_curvatures', 0)}")
-    print(f"default step ({args.guide}): median {1e3 * step:.1f} ms over {args.probe_steps}; "
-          f"a {args.steps}-step fit {args.steps * step:.1f} s")
+    print(
+        f"command: {command_line(__file__, argv)}; commit {git_commit()}; {utc_now()}; one "
+        "torch thread, float32"
+    )
+    print(
+        f"model: BNN {data.in_dim}-{args.hidden}-1 on {args.dataset} split 0 "
+        f"(n = {x.shape[0]}, D = {guide.latent_dim})"
+    )
+    print(
+        f"preconditioner: {guide.preconditioner.kind}, source {guide.preconditioner.source}, "
+        f"{diag['seconds']:.2f} s in the search ({setup:.2f} s for the guide's first call); "
+        f"log-weight sd of the Laplace {diag.get('laplace_log_weight_sd', float('nan')):.3g}, "
+        f"clamped curvatures {diag.get('clamped_curvatures', 0)}"
+    )
+    print(
+        f"default step ({args.guide}): median {1e3 * step:.1f} ms over {args.probe_steps}; "
+        f"a {args.steps}-step fit {args.steps * step:.1f} s"
+    )
     print(f"set-up / fit: {setup / (args.steps * step):.1%}")
 
 

@@ -410,8 +410,12 @@ def main(argv=None):
                 flush=True,
             )
             if not (math.isfinite(rmse) and math.isfinite(ll)):
-                print(f"# {name} split {k} FAILED (non-finite metric): recorded, left out of "
-                      "the means", file=sys.stderr, flush=True)
+                print(
+                    f"# {name} split {k} FAILED (non-finite metric): recorded, left out of "
+                    "the means",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for metric in ("rmse", "ll"):
                 mean, se = _mean_se([s[metric] for s in record["splits"]])
                 record[f"{metric}_mean"], record[f"{metric}_se"] = mean, se

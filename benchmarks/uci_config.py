@@ -128,8 +128,14 @@ _FPOVI_OPTIONAL = {"input_scale", "noise_std_init"}
 # the authors' code reweights entropy and prior (LIVI_ELBO's tempering; unset = the paper)
 _LIVI_OPTIONAL = {"init_scale", "entropy_weight", "prior_weight"}
 METHOD_OPTIONAL_SETTINGS = {
-    "kivi": {"precision_q", "init_scale", "num_particles", "regularizer", "clip",
-             "adaptive_contrast"},
+    "kivi": {
+        "precision_q",
+        "init_scale",
+        "num_particles",
+        "regularizer",
+        "clip",
+        "adaptive_contrast",
+    },
     "fsvgd": _FPOVI_OPTIONAL,
     "wsvgd": _FPOVI_OPTIONAL,
     "livi": _LIVI_OPTIONAL,

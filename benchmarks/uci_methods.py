@@ -184,11 +184,14 @@ KIVI_GENERATORS = {
 def _kivi_site_options(split, model):
     sizes = KIVI_GENERATORS[split.name]
     options = {}
-    for name, (noise, hidden), shape in zip(model.layer_names, sizes, model.layer_shapes,
-                                            strict=True):
+    for name, (noise, hidden), shape in zip(
+        model.layer_names, sizes, model.layer_shapes, strict=True
+    ):
         numel = math.prod(shape)
-        options[name] = {"noise_dim": noise,
-                         "hidden_dims": tuple(numel if h is None else h for h in hidden)}
+        options[name] = {
+            "noise_dim": noise,
+            "hidden_dims": tuple(numel if h is None else h for h in hidden),
+        }
     # The noise precision gets a small generator of its own, unless the run asks for
     # KIVI's explicit Gamma q (App. E, ``precision_q="gamma"``, see :func:`fit_kivi`).
     options["precision"] = {"noise_dim": 5, "hidden_dims": (20,)}
@@ -353,8 +356,9 @@ def _fit_particles(split, config, progress, function_space):
         )
     else:
         # the raw weight space with Liu & Wang's bandwidth, as the papers
-        inference = WeightSpaceSVGD(model, optim, n_particles, max_plate_nesting=1,
-                                    init_particles=init, precondition=False)
+        inference = WeightSpaceSVGD(
+            model, optim, n_particles, max_plate_nesting=1, init_particles=init, precondition=False
+        )
 
     def describe(diag, n):
         ll = diag.get("log_likelihood", diag.get("log_joint"))
@@ -420,8 +424,12 @@ def fit_livi(split, config, seed, progress):
     )
     # tempering only when asked for: LIVI_ELBO's own defaults are the paper's ELBO
     weights = {k: float(config[k]) for k in ("entropy_weight", "prior_weight") if k in config}
-    elbo = LIVI_ELBO(num_particles=int(config["num_particles"]), bound=config["bound"],
-                     max_plate_nesting=1, **weights)
+    elbo = LIVI_ELBO(
+        num_particles=int(config["num_particles"]),
+        bound=config["bound"],
+        max_plate_nesting=1,
+        **weights,
+    )
     svi = SVI(model, guide, optimizer(config), elbo)
 
     def describe(loss, n):

@@ -136,55 +136,115 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"pyro_implicit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{compare}")
     p = sub.add_parser(
-        "compare", help="compare methods with NUTS on one model (default)",
+        "compare",
+        help="compare methods with NUTS on one model (default)",
         description="Compare posterior approximations with NUTS on one model.",
         epilog="User files: " + USER_FILE_CONVENTION + ".",
     )
-    p.add_argument("--model", default=DEFAULTS["model"],
-                   help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a file "
-                   "path/to/file.py[:NAME] (default %(default)s)")
-    p.add_argument("--methods", default=DEFAULTS["methods"],
-                   help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' "
-                   "(default %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=DEFAULTS["steps"],
-                   help="optimisation steps per method (default %(default)s)")
-    p.add_argument("--samples", type=_int_at_least(2), default=DEFAULTS["samples"],
-                   help="posterior draws per guide, at least 2 (default %(default)s)")
-    p.add_argument("--lr", type=_positive_float, default=None,
-                   help="initial learning rate of every method (default: per method)")
-    p.add_argument("--no-precondition", dest="precondition", action="store_false",
-                   help="fit the library's methods in the raw unconstrained space (the "
-                   "papers' setting) instead of their automatic preconditioner's "
-                   "whitened coordinates")
-    p.add_argument("--no-nuts", dest="nuts", action="store_false",
-                   help="run no NUTS reference (for models where it is too slow): the table "
-                   "then shows the Stein discrepancy (KSD) and PSIS k-hat only")
-    p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
-                   help="leave out the KSD and k-hat columns (they cost a model run per "
-                   "row, and k-hat 1000 guide draws)")
-    p.add_argument("--nuts-samples", type=_int_at_least(4), default=DEFAULTS["nuts_samples"],
-                   help="NUTS draws per chain, at least 4 (default %(default)s)")
-    p.add_argument("--nuts-warmup", type=_int_at_least(0), default=DEFAULTS["nuts_warmup"],
-                   help="NUTS warmup steps per chain (default %(default)s)")
-    p.add_argument("--nuts-chains", type=_positive_int, default=DEFAULTS["nuts_chains"],
-                   help="NUTS chains, run one after another (default %(default)s)")
-    p.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0,
-                   help="seed (default %(default)s)")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch threads (default %(default)s: small models run fastest on one)")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="default torch dtype (default %(default)s)")
+    p.add_argument(
+        "--model",
+        default=DEFAULTS["model"],
+        help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a file "
+        "path/to/file.py[:NAME] (default %(default)s)",
+    )
+    p.add_argument(
+        "--methods",
+        default=DEFAULTS["methods"],
+        help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' (default %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=DEFAULTS["steps"],
+        help="optimisation steps per method (default %(default)s)",
+    )
+    p.add_argument(
+        "--samples",
+        type=_int_at_least(2),
+        default=DEFAULTS["samples"],
+        help="posterior draws per guide, at least 2 (default %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help="initial learning rate of every method (default: per method)",
+    )
+    p.add_argument(
+        "--no-precondition",
+        dest="precondition",
+        action="store_false",
+        help="fit the library's methods in the raw unconstrained space (the "
+        "papers' setting) instead of their automatic preconditioner's "
+        "whitened coordinates",
+    )
+    p.add_argument(
+        "--no-nuts",
+        dest="nuts",
+        action="store_false",
+        help="run no NUTS reference (for models where it is too slow): the table "
+        "then shows the Stein discrepancy (KSD) and PSIS k-hat only",
+    )
+    p.add_argument(
+        "--no-diagnostics",
+        dest="diagnostics",
+        action="store_false",
+        help="leave out the KSD and k-hat columns (they cost a model run per "
+        "row, and k-hat 1000 guide draws)",
+    )
+    p.add_argument(
+        "--nuts-samples",
+        type=_int_at_least(4),
+        default=DEFAULTS["nuts_samples"],
+        help="NUTS draws per chain, at least 4 (default %(default)s)",
+    )
+    p.add_argument(
+        "--nuts-warmup",
+        type=_int_at_least(0),
+        default=DEFAULTS["nuts_warmup"],
+        help="NUTS warmup steps per chain (default %(default)s)",
+    )
+    p.add_argument(
+        "--nuts-chains",
+        type=_positive_int,
+        default=DEFAULTS["nuts_chains"],
+        help="NUTS chains, run one after another (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=_int_at_least(0, 2**32 - 1), default=0, help="seed (default %(default)s)"
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch threads (default %(default)s: small models run fastest on one)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float64", "float32"],
+        default="float64",
+        help="default torch dtype (default %(default)s)",
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    p.add_argument("--report", metavar="DIR", default=None,
-                   help="write plots, table.md, loo.csv and comparison.json (every number) "
-                   "to DIR")
-    p.add_argument("--plot-sites", default=None,
-                   help="comma-separated sites or coordinates (e.g. mu,tau,theta[0]) for the "
-                   "pair plots of --report (default: the first six coordinates)")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        default=None,
+        help="write plots, table.md, loo.csv and comparison.json (every number) to DIR",
+    )
+    p.add_argument(
+        "--plot-sites",
+        default=None,
+        help="comma-separated sites or coordinates (e.g. mu,tau,theta[0]) for the "
+        "pair plots of --report (default: the first six coordinates)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress messages")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny run for tests: caps " + ", ".join(
-                       f"--{k.replace('_', '-')} at {v}" for k, v in SMOKE_CAPS.items()))
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny run for tests: caps "
+        + ", ".join(f"--{k.replace('_', '-')} at {v}" for k, v in SMOKE_CAPS.items()),
+    )
     return parser
 
 
@@ -257,13 +317,15 @@ def load_user_model(spec):
     if isinstance(obj, BuiltinModel):
         return obj
     if not callable(obj):
-        raise InputError(f"{path}:{name} is a {type(obj).__name__}, not a model: "
-                         f"{USER_FILE_CONVENTION}")
+        raise InputError(
+            f"{path}:{name} is a {type(obj).__name__}, not a model: {USER_FILE_CONVENTION}"
+        )
     model_args = getattr(module, "args", ())
     model_kwargs = getattr(module, "kwargs", {})
     if not isinstance(model_args, (tuple, list)) or not isinstance(model_kwargs, dict):
-        raise InputError(f"{path}: 'args' must be a tuple and 'kwargs' a dict: "
-                         f"{USER_FILE_CONVENTION}")
+        raise InputError(
+            f"{path}: 'args' must be a tuple and 'kwargs' a dict: {USER_FILE_CONVENTION}"
+        )
     mpn = getattr(module, "max_plate_nesting", None)
     return BuiltinModel(
         name=f"{os.path.basename(path)}:{name}",
@@ -304,8 +366,7 @@ def _check_plot_sites(spec, coords):
 
     trace = poutine.trace(spec.model).get_trace(*spec.args, **spec.kwargs)
     draw = {
-        name: site["value"].detach().unsqueeze(0)
-        for name, site in trace.iter_stochastic_nodes()
+        name: site["value"].detach().unsqueeze(0) for name, site in trace.iter_stochastic_nodes()
     }
     try:
         select_coordinates(draw, coords)
@@ -315,14 +376,17 @@ def _check_plot_sites(spec, coords):
 
 def _header(args, spec):
     width = max(len(m) for m in args.methods)
-    reference = (f"NUTS {args.nuts_chains} chain(s) x {args.nuts_samples} draws after "
-                 f"{args.nuts_warmup} warmup" if args.nuts else "no NUTS reference")
+    reference = (
+        f"NUTS {args.nuts_chains} chain(s) x {args.nuts_samples} draws after "
+        f"{args.nuts_warmup} warmup"
+        if args.nuts
+        else "no NUTS reference"
+    )
     lines = [
         f"pyro_implicit {__version__}: posterior approximations compared with NUTS",
         f"model:    {spec.name}: {spec.description}",
-        "methods:  " + f"\n{'':10}".join(
-            f"{m.ljust(width)}  {METHODS[m].description}" for m in args.methods
-        ),
+        "methods:  "
+        + f"\n{'':10}".join(f"{m.ljust(width)}  {METHODS[m].description}" for m in args.methods),
         f"settings: {args.steps} steps per method (ClippedAdam, lr decayed 10x over the "
         f"run), {args.samples} posterior draws per guide;",
         f"{'':10}{reference}; seed {args.seed}; {args.dtype}; "
@@ -363,11 +427,16 @@ def main(argv=None):
         total = time.perf_counter() - start
         print()
         print(result.to_markdown() if args.markdown else result.table())
-        unreliable = [f"{r['method']} ({r['k_hat']:.2f})" for r in result.rows()
-                      if r["k_hat"] > K_HAT_THRESHOLD]
+        unreliable = [
+            f"{r['method']} ({r['k_hat']:.2f})"
+            for r in result.rows()
+            if r["k_hat"] > K_HAT_THRESHOLD
+        ]
         if unreliable:
-            print(f"note: PSIS k-hat > {K_HAT_THRESHOLD} for {', '.join(unreliable)}: "
-                  "importance weights cannot correct these guides; read their rows with care")
+            print(
+                f"note: PSIS k-hat > {K_HAT_THRESHOLD} for {', '.join(unreliable)}: "
+                "importance weights cannot correct these guides; read their rows with care"
+            )
         print(f"total {total:.1f} s", flush=True)
         if args.report:
             written = write_report(args.report, result, spec, mpn, args, header, total)

@@ -75,7 +75,7 @@ def test_default_job_smoke_prints_table(capsys):
     assert main(["compare", "--smoke", "--quiet", "--nuts-chains", "1"]) == 0
     out = capsys.readouterr().out
     assert "eight_schools" in out and "SMOKE RUN" in out
-    table = out[out.index("method  "):]
+    table = out[out.index("method  ") :]
     for name in DEFAULT_METHODS + ["nuts"]:
         assert any(line.startswith(name + " ") for line in table.splitlines()), name
     assert "NUTS: 1 chain(s) x 20 draws" in out
@@ -88,23 +88,41 @@ def test_no_nuts_reports_ksd_and_k_hat(user_file, tmp_path, capsys):
     """--no-nuts: no reference run; the table has the KSD and k-hat columns only, the
     report its JSON without NUTS and no pair plots (they overlay NUTS)."""
     report = tmp_path / "report"
-    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,kivi",
-            "--smoke", "--quiet", "--no-nuts", "--report", str(report)]
+    argv = [
+        "compare",
+        "--model",
+        user_file + ":model",
+        "--methods",
+        "autonormal,kivi",
+        "--smoke",
+        "--quiet",
+        "--no-nuts",
+        "--report",
+        str(report),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "no NUTS reference" in out and "No NUTS reference" in out
-    header = out[out.index("method  "):].splitlines()[0].split()
+    header = out[out.index("method  ") :].splitlines()[0].split()
     assert header[:3] == ["method", "KSD", "k-hat"]
     data = json.loads((report / "comparison.json").read_text())
-    assert data["nuts"] is None and [r["method"] for r in data["rows"]] == [
-        "autonormal", "kivi"]
+    assert data["nuts"] is None and [r["method"] for r in data["rows"]] == ["autonormal", "kivi"]
     assert data["methods"]["kivi"]["ksd"]["num_draws"] == SMOKE_CAPS["samples"]
     assert not any(name.startswith("pairs_") for name in os.listdir(report))
 
 
 def test_markdown_and_options_without_subcommand(capsys):
-    argv = ["--smoke", "--quiet", "--model", "banana", "--methods", "autonormal",
-            "--nuts-chains", "1", "--markdown"]
+    argv = [
+        "--smoke",
+        "--quiet",
+        "--model",
+        "banana",
+        "--methods",
+        "autonormal",
+        "--nuts-chains",
+        "1",
+        "--markdown",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| method | mean err |" in out
@@ -114,15 +132,33 @@ def test_markdown_and_options_without_subcommand(capsys):
 
 def test_user_file_and_report(user_file, tmp_path, capsys):
     report = tmp_path / "report"
-    argv = ["compare", "--model", user_file + ":model", "--methods", "autonormal,wsvgd",
-            "--smoke", "--nuts-chains", "2", "--report", str(report), "--seed", "3"]
+    argv = [
+        "compare",
+        "--model",
+        user_file + ":model",
+        "--methods",
+        "autonormal,wsvgd",
+        "--smoke",
+        "--nuts-chains",
+        "2",
+        "--report",
+        str(report),
+        "--seed",
+        "3",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "my_model.py:model: normal mean with a known scale" in captured.out
     assert "autonormal" in captured.err  # progress on stderr
     files = set(os.listdir(report))
-    assert {"comparison.json", "table.md", "loo.csv", "losses.png", "pairs_autonormal.png",
-            "pairs_wsvgd.png"} <= files
+    assert {
+        "comparison.json",
+        "table.md",
+        "loo.csv",
+        "losses.png",
+        "pairs_autonormal.png",
+        "pairs_wsvgd.png",
+    } <= files
     data = json.loads((report / "comparison.json").read_text())
     assert data["settings"]["seed"] == 3 and data["settings"]["max_plate_nesting"] == 1
     assert [r["method"] for r in data["rows"]] == ["autonormal", "wsvgd", "nuts"]
@@ -161,8 +197,10 @@ def test_no_arguments_is_the_default_job():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["compare", "--methods", "kivi,nope"], "unknown method(s) 'nope'; choose from: "
-                                                    + ", ".join(METHODS)),
+        (
+            ["compare", "--methods", "kivi,nope"],
+            "unknown method(s) 'nope'; choose from: " + ", ".join(METHODS),
+        ),
         (["compare", "--model", "nope"], "unknown model 'nope'; choose a built-in model"),
         (["compare", "--steps", "0"], "expected an integer >= 1"),
         (["compare", "--samples", "1"], "expected an integer >= 2"),
@@ -205,15 +243,28 @@ def test_missing_file_exits_2(tmp_path, capsys):
 
 
 def test_python_dash_m_exit_code():
-    proc = subprocess.run([sys.executable, "-m", "pyro_implicit", "--methods", "bogus"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyro_implicit", "--methods", "bogus"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "unknown method(s) 'bogus'" in proc.stderr and proc.stdout == ""
 
 
 def test_unknown_plot_sites_exit_2_before_any_fit(user_file, capsys):
-    argv = ["compare", "--smoke", "--quiet", "--model", user_file + ":model",
-            "--report", "unused", "--plot-sites", "mu,nosuch"]
+    argv = [
+        "compare",
+        "--smoke",
+        "--quiet",
+        "--model",
+        user_file + ":model",
+        "--report",
+        "unused",
+        "--plot-sites",
+        "mu,nosuch",
+    ]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "--plot-sites: no site or coordinate 'nosuch'" in captured.err
@@ -223,8 +274,19 @@ def test_unknown_plot_sites_exit_2_before_any_fit(user_file, capsys):
 def test_report_with_two_observed_sites_has_a_loo_table_per_site(user_file, tmp_path, capsys):
     # a blank docstring names the model "user model"
     report = tmp_path / "report"
-    argv = ["compare", "--model", user_file + ":two_observations", "--methods", "autonormal",
-            "--smoke", "--quiet", "--nuts-chains", "1", "--report", str(report)]
+    argv = [
+        "compare",
+        "--model",
+        user_file + ":two_observations",
+        "--methods",
+        "autonormal",
+        "--smoke",
+        "--quiet",
+        "--nuts-chains",
+        "1",
+        "--report",
+        str(report),
+    ]
     assert main(argv) == 0
     assert "two_observations: user model" in capsys.readouterr().out
     assert {"loo_obs.csv", "loo_obs2.csv"} <= set(os.listdir(report))

@@ -42,14 +42,31 @@ def y():
 
 @pytest.fixture
 def nuts(y):
-    return run_nuts(normal_normal, y, num_samples=100, warmup_steps=50, num_chains=2, seed=0,
-                    max_plate_nesting=1, progress_bar=False)
+    return run_nuts(
+        normal_normal,
+        y,
+        num_samples=100,
+        warmup_steps=50,
+        num_chains=2,
+        seed=0,
+        max_plate_nesting=1,
+        progress_bar=False,
+    )
 
 
 def test_compare_structure(y, nuts, capsys):
     names = ["kivi", "autonormal", "automvn", "wsvgd"]
-    result = compare(normal_normal, y, methods=names, num_steps=30, num_samples=300,
-                     nuts=nuts, max_plate_nesting=1, progress=True, lr={"kivi": 0.02})
+    result = compare(
+        normal_normal,
+        y,
+        methods=names,
+        num_steps=30,
+        num_samples=300,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=True,
+        lr={"kivi": 0.02},
+    )
     assert isinstance(result, ComparisonResult)
     assert result.nuts is nuts
     assert list(result.methods) == names
@@ -98,8 +115,7 @@ def test_compare_is_reproducible_per_method(y, nuts):
         alone = compare(normal_normal, y, methods=("implicit",), **kw)
     assert alone.settings["methods"] == {"implicit": "kivi"}
     # Each fit starts from the same seed, whatever ran before it.
-    assert torch.equal(both.methods["kivi"].samples["mu"],
-                       alone.methods["implicit"].samples["mu"])
+    assert torch.equal(both.methods["kivi"].samples["mu"], alone.methods["implicit"].samples["mu"])
 
 
 def test_old_method_names_resolve_to_the_registrys_one_name():
@@ -124,8 +140,12 @@ def test_old_method_names_resolve_to_the_registrys_one_name():
 
 def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
     pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(normal_normal, max_plate_nesting=1), num_samples=60, warmup_steps=40,
-                disable_progbar=True)
+    mcmc = MCMC(
+        NUTS(normal_normal, max_plate_nesting=1),
+        num_samples=60,
+        warmup_steps=40,
+        disable_progbar=True,
+    )
     mcmc.run(y)
     guide = AutoNormal(normal_normal)
     svi = SVI(normal_normal, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
@@ -134,8 +154,15 @@ def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
     # conjugate posterior N(sum(y) / (n + 1), 1 / (n + 1)) as a dict of draws
     n = y.shape[0]
     exact = {"mu": y.sum() / (n + 1) + torch.randn(2000) / math.sqrt(n + 1)}
-    result = compare(normal_normal, y, methods={"fitted": guide, "exact": exact}, nuts=mcmc,
-                     num_samples=500, max_plate_nesting=1, progress=False)
+    result = compare(
+        normal_normal,
+        y,
+        methods={"fitted": guide, "exact": exact},
+        nuts=mcmc,
+        num_samples=500,
+        max_plate_nesting=1,
+        progress=False,
+    )
     assert result.nuts.samples["mu"].shape == (60,)
     assert result.nuts.samples_by_chain["mu"].shape == (1, 60)
     assert math.isnan(result.nuts.wall_time)
@@ -148,7 +175,7 @@ def test_compare_takes_an_mcmc_object_and_fitted_methods(y):
 
 
 def test_compare_rejects_unknown_method(y):
-    with pytest.raises(ValueError, match="unknown method.*'nope'.*kivi, sivi, livi"):
+    with pytest.raises(ValueError, match="unknown method.*'nope'; choose from: kivi, "):
         compare(normal_normal, y, methods=("nope",))
 
 
@@ -174,8 +201,16 @@ def test_builtin_models_shapes(name):
 
 
 def test_every_method_runs(y, nuts):
-    result = compare(normal_normal, y, methods=list(METHODS), num_steps=5, num_samples=50,
-                     nuts=nuts, max_plate_nesting=1, progress=False)
+    result = compare(
+        normal_normal,
+        y,
+        methods=list(METHODS),
+        num_steps=5,
+        num_samples=50,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+    )
     assert list(result.methods) == list(METHODS)
     for name, r in result.methods.items():
         assert len(r.losses) == 5 and all(math.isfinite(v) for v in r.losses), name
@@ -188,11 +223,20 @@ def test_compare_without_nuts_reports_ksd_and_k_hat(y):
     shifted by two posterior sds score far above exact ones."""
     exact_sd = 1 / math.sqrt(11)
     exact = y.sum() / 11 + exact_sd * torch.randn(1000)
-    result = compare(normal_normal, y, methods={"exact": {"mu": exact},
-                                                "shifted": {"mu": exact + 2 * exact_sd},
-                                                "autonormal": "autonormal"},
-                     num_steps=20, num_samples=200, nuts=False, max_plate_nesting=1,
-                     progress=False)
+    result = compare(
+        normal_normal,
+        y,
+        methods={
+            "exact": {"mu": exact},
+            "shifted": {"mu": exact + 2 * exact_sd},
+            "autonormal": "autonormal",
+        },
+        num_steps=20,
+        num_samples=200,
+        nuts=False,
+        max_plate_nesting=1,
+        progress=False,
+    )
     assert result.nuts is None and not result.has_reference
     assert [r["method"] for r in result.rows()] == ["exact", "shifted", "autonormal"]
     ksd = {name: r.ksd for name, r in result.methods.items()}
@@ -208,9 +252,17 @@ def test_compare_without_nuts_reports_ksd_and_k_hat(y):
 
 def test_compare_warns_once_for_unreliable_guides(y, nuts):
     with pytest.warns(UnreliableFitWarning, match="autonormal") as record:
-        result = compare(normal_normal, y, methods=["autonormal"], num_steps=3,
-                         num_samples=100, nuts=nuts, max_plate_nesting=1, progress=False,
-                         lr=1e-3)
+        result = compare(
+            normal_normal,
+            y,
+            methods=["autonormal"],
+            num_steps=3,
+            num_samples=100,
+            nuts=nuts,
+            max_plate_nesting=1,
+            progress=False,
+            lr=1e-3,
+        )
     assert result.methods["autonormal"].k_hat > 0.7
     assert len([w for w in record if w.category is UnreliableFitWarning]) == 1
     # NUTS's own draws are the yardstick of the KSD column
@@ -218,8 +270,17 @@ def test_compare_warns_once_for_unreliable_guides(y, nuts):
 
 
 def test_compare_diagnostics_can_be_switched_off(y, nuts):
-    result = compare(normal_normal, y, methods=["autonormal"], num_steps=3, num_samples=100,
-                     nuts=nuts, max_plate_nesting=1, progress=False, diagnostics=False)
+    result = compare(
+        normal_normal,
+        y,
+        methods=["autonormal"],
+        num_steps=3,
+        num_samples=100,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+        diagnostics=False,
+    )
     assert result.methods["autonormal"].ksd is None and result.nuts_ksd is None
     assert math.isnan(result.rows()[0]["ksd"])
 
@@ -252,10 +313,26 @@ def with_scale_parameter(y):
 def test_model_parameters_are_held_at_one_value_in_every_row(y):
     """NUTS cannot learn a model's pyro.param: every row uses the same value (said in the
     settings), so the fits' sds match NUTS's instead of looking about 2x too narrow."""
-    nuts = run_nuts(with_scale_parameter, y, num_samples=200, warmup_steps=100, num_chains=2,
-                    seed=0, max_plate_nesting=1, progress_bar=False)
-    result = compare(with_scale_parameter, y, methods=["automvn", "wsvgd"], num_steps=300,
-                     num_samples=1000, nuts=nuts, max_plate_nesting=1, progress=False)
+    nuts = run_nuts(
+        with_scale_parameter,
+        y,
+        num_samples=200,
+        warmup_steps=100,
+        num_chains=2,
+        seed=0,
+        max_plate_nesting=1,
+        progress_bar=False,
+    )
+    result = compare(
+        with_scale_parameter,
+        y,
+        methods=["automvn", "wsvgd"],
+        num_steps=300,
+        num_samples=1000,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+    )
     assert result.settings["held_model_parameters"] == {"scale": 0.5}
     exact_sd = 1 / math.sqrt(1 + y.numel() / 0.25)
     for name in ("automvn", "wsvgd"):
@@ -265,8 +342,17 @@ def test_model_parameters_are_held_at_one_value_in_every_row(y):
 
 
 def test_a_weak_reference_is_said_under_the_table(y, nuts):
-    result = compare(normal_normal, y, methods=["autonormal"], num_steps=3, num_samples=100,
-                     nuts=nuts, max_plate_nesting=1, progress=False, diagnostics=False)
+    result = compare(
+        normal_normal,
+        y,
+        methods=["autonormal"],
+        num_steps=3,
+        num_samples=100,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+        diagnostics=False,
+    )
     assert nuts.min_ess < 400
     weak = [line for line in result.table().splitlines() if line.startswith("WEAK REFERENCE")]
     assert len(weak) == 1 and "min ESS" in weak[0]
@@ -275,9 +361,17 @@ def test_a_weak_reference_is_said_under_the_table(y, nuts):
 def test_a_diverged_method_is_a_row_not_the_end(y, nuts):
     """A method whose fit diverges (here: a learning rate of 1e4) is reported in its row
     and under the table; the other rows are computed as usual."""
-    result = compare(normal_normal, y, methods=["sivi", "autonormal"], num_steps=50,
-                     num_samples=100, nuts=nuts, max_plate_nesting=1, progress=False,
-                     lr={"sivi": 1e4})
+    result = compare(
+        normal_normal,
+        y,
+        methods=["sivi", "autonormal"],
+        num_steps=50,
+        num_samples=100,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+        lr={"sivi": 1e4},
+    )
     failed = result.methods["sivi"]
     assert failed.failure.startswith("diverged at step") and failed.num_draws == 0
     rows = {r["method"]: r for r in result.rows()}

@@ -54,7 +54,11 @@ def test_bad_data_bad_model_and_bad_pair_raise_their_kind():
         unconstrained_particles(site, 1, 1)
 
     y = torch.tensor([0.5, 1.0])
-    svi = SVI(_model, ImplicitGuide(_model, precondition=False), pyro.optim.Adam({"lr": 0.01}),
-              SIVI_ELBO(num_particles=2, num_mixing=2))
+    svi = SVI(
+        _model,
+        ImplicitGuide(_model, precondition=False),
+        pyro.optim.Adam({"lr": 0.01}),
+        SIVI_ELBO(num_particles=2, num_mixing=2),
+    )
     with pytest.raises(PairingError, match="conditional_density.*KernelRatioELBO"):
         svi.step(y)

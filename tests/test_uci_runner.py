@@ -11,7 +11,6 @@ from pyro_implicit.datasets import data_available
 torch.set_num_threads(1)
 
 
-
 @pytest.fixture(scope="module")
 def runner(load_benchmark):
     return load_benchmark("uci")
@@ -89,19 +88,33 @@ def test_smoke_run_boston_particles(runner, tmp_path, method):
     assert record["config"]["num_particles"] == 20 and record["config"]["epochs"] == 2
     # --resume keeps the split and runs nothing new
     again = runner.main(
-        ["--datasets", "boston", "--method", method, "--smoke", "--quiet", "--resume",
-         "--out", str(out)]
+        [
+            "--datasets",
+            "boston",
+            "--method",
+            method,
+            "--smoke",
+            "--quiet",
+            "--resume",
+            "--out",
+            str(out),
+        ]
     )
     assert again["datasets"]["boston"]["splits"][0]["rmse"] == pytest.approx(split["rmse"])
     assert split["seed"] == 0 and "commit" in split  # per-split provenance
     # a resumed file refuses another method (f-SVGD and w-SVGD share a configuration),
     # seed or dtype
     other = "wsvgd" if method == "fsvgd" else "fsvgd"
-    for change in (["--method", other], ["--method", method, "--seed", "1"],
-                   ["--method", method, "--dtype", "float64"]):
+    for change in (
+        ["--method", other],
+        ["--method", method, "--seed", "1"],
+        ["--method", method, "--dtype", "float64"],
+    ):
         with pytest.raises(SystemExit, match="--resume: .* holds runs with"):
-            runner.main(["--datasets", "boston", "--smoke", "--quiet", "--resume",
-                         "--out", str(out)] + change)
+            runner.main(
+                ["--datasets", "boston", "--smoke", "--quiet", "--resume", "--out", str(out)]
+                + change
+            )
 
 
 def test_livi_defaults(runner):
@@ -151,8 +164,17 @@ def test_livi_tempering_settings_reach_the_elbo(runner, tmp_path, monkeypatch):
     argv = ["--datasets", "boston", "--method", "livi", "--smoke", "--quiet"]
     runner.main(argv + ["--out", str(tmp_path / "a.json")])
     with pytest.warns(UserWarning, match="not the paper's ELBO"):
-        runner.main(argv + ["--set", "prior_weight=0.1", "--set", "entropy_weight=2",
-                            "--out", str(tmp_path / "b.json")])
+        runner.main(
+            argv
+            + [
+                "--set",
+                "prior_weight=0.1",
+                "--set",
+                "entropy_weight=2",
+                "--out",
+                str(tmp_path / "b.json"),
+            ]
+        )
     assert seen == [(1.0, 1.0), (2.0, 0.1)]
 
 
@@ -162,13 +184,23 @@ def reporter(load_benchmark):
 
 
 def _fake_run(rmses, first=0, config=None, method="kivi", seed=0):
-    splits = [{"split": first + i, "rmse": r, "ll": None if r is None else -r, "seconds": 1.0}
-              for i, r in enumerate(rmses)]
+    splits = [
+        {"split": first + i, "rmse": r, "ll": None if r is None else -r, "seconds": 1.0}
+        for i, r in enumerate(rmses)
+    ]
     config = {"epochs": 1} if config is None else config
-    return {"command": "python benchmarks/uci.py ...", "started": "now", "resumed": [],
-            "versions": {"torch": "t", "pyro": "p"}, "threads": 1, "dtype": "float32",
-            "method": method, "seed": seed, "smoke": False,
-            "datasets": {"boston": {"splits": splits, "config": config}}}
+    return {
+        "command": "python benchmarks/uci.py ...",
+        "started": "now",
+        "resumed": [],
+        "versions": {"torch": "t", "pyro": "p"},
+        "threads": 1,
+        "dtype": "float32",
+        "method": method,
+        "seed": seed,
+        "smoke": False,
+        "datasets": {"boston": {"splits": splits, "config": config}},
+    }
 
 
 def test_report_statistics_and_section_update(reporter, tmp_path):
@@ -261,8 +293,22 @@ def test_spread_benchmark_smoke(load_benchmark):
 def test_kivi_spikes_benchmark_smoke(tmp_path, load_benchmark):
     module = load_benchmark("kivi_spikes")
     out = tmp_path / "spikes.json"
-    result = module.main(["--dataset", "yacht", "--split", "0", "--every", "2", "--epochs", "1",
-                          "--clip-norms", "10", "--out", str(out)])
+    result = module.main(
+        [
+            "--dataset",
+            "yacht",
+            "--split",
+            "0",
+            "--every",
+            "2",
+            "--epochs",
+            "1",
+            "--clip-norms",
+            "10",
+            "--out",
+            str(out),
+        ]
+    )
     assert set(result["runs"]) == {"adam", "clipped_adam_10"}
     run = result["runs"]["adam"]
     assert run["steps"] == [2, 3]  # every 2 steps and the last of 3 (277 points, batch 100)

@@ -98,8 +98,10 @@ def nuts_result_from_mcmc(mcmc):
         samples={k: v.reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()},
         samples_by_chain=by_chain,
         diagnostics={
-            k: {"r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
-                "ess": effective_sample_size(v, chain_dim=0, sample_dim=1)}
+            k: {
+                "r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
+                "ess": effective_sample_size(v, chain_dim=0, sample_dim=1),
+            }
             for k, v in by_chain.items()
         },
         num_divergences=sum(divergences),
@@ -127,12 +129,18 @@ def _steps(name, num_steps, progress):
 
     # disable=None: no bar where stderr is not a terminal (a log file gets the one-line
     # summaries, not thousands of carriage-return updates)
-    return tqdm(range(num_steps), desc=f"  {name}", file=sys.stderr, leave=False,
-                mininterval=0.5, dynamic_ncols=True, disable=None)
+    return tqdm(
+        range(num_steps),
+        desc=f"  {name}",
+        file=sys.stderr,
+        leave=False,
+        mininterval=0.5,
+        dynamic_ncols=True,
+        disable=None,
+    )
 
 
-def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True,
-         trace=None):
+def _fit(name, model, args, kwargs, num_steps, lr, mpn, progress, precondition=True, trace=None):
     """Fit method ``name``; returns ``(approximation, trace)`` (the per-step values are
     appended to ``trace`` as they come, so a fit that stops keeps them)."""
     method = METHODS[name]
@@ -187,15 +195,15 @@ def _resolve(methods):
     }
     names = [s for s in specs.values() if isinstance(s, str)]
     if not isinstance(methods, Mapping) and len(set(names)) != len(names):
-        raise ValueError(f"methods must be distinct, got {methods} (old and new names of "
-                         "one method)")
+        raise ValueError(
+            f"methods must be distinct, got {methods} (old and new names of one method)"
+        )
     if not specs:
         raise ValueError("no methods given")
     unknown = [s for s in specs.values() if isinstance(s, str) and s not in METHODS]
     if unknown:
         raise ValueError(
-            f"unknown method(s) {', '.join(map(repr, unknown))}; choose from: "
-            f"{', '.join(METHODS)}"
+            f"unknown method(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(METHODS)}"
         )
     for spec in specs.values():
         if not isinstance(spec, str):
@@ -266,8 +274,9 @@ def compare(
     """
     specs = _resolve(methods)
     if num_steps < 1 or num_samples < 2:
-        raise ValueError(f"need num_steps >= 1 and num_samples >= 2, got {num_steps}, "
-                         f"{num_samples}")
+        raise ValueError(
+            f"need num_steps >= 1 and num_samples >= 2, got {num_steps}, {num_samples}"
+        )
     lrs = {label: METHODS[s].lr for label, s in specs.items() if isinstance(s, str)}
     if isinstance(lr, dict):
         lrs.update({m: float(v) for m, v in lr.items() if m in lrs})
@@ -290,8 +299,11 @@ def compare(
     check_vectorized_log_joint(model, None, args, kwargs, mpn + 1)
     model, held = _hold_model_parameters(model, trace)
     if held:
-        _say(progress, "model parameters held at these values in every row (NUTS cannot "
-                       "learn them): " + ", ".join(f"{k} = {v}" for k, v in held.items()))
+        _say(
+            progress,
+            "model parameters held at these values in every row (NUTS cannot "
+            "learn them): " + ", ".join(f"{k} = {v}" for k, v in held.items()),
+        )
 
     _warm_up(model, args, kwargs, mpn)
     pyro.set_rng_seed(seed)
@@ -305,9 +317,16 @@ def compare(
         start = time.perf_counter()
         samples, kind = posterior_draws(spec, model, args, kwargs, num_samples, mpn, shapes)
         results[label] = MethodResult(
-            label, samples, None, time.perf_counter() - start, [], math.nan,
-            description=f"{type(spec).__name__} passed in fitted", kind=kind,
-            loss_label="", fitted_here=False,
+            label,
+            samples,
+            None,
+            time.perf_counter() - start,
+            [],
+            math.nan,
+            description=f"{type(spec).__name__} passed in fitted",
+            kind=kind,
+            loss_label="",
+            fitted_here=False,
             approximation=None if kind == "samples" else spec,
         )
 
@@ -317,11 +336,21 @@ def compare(
         nuts = None
     elif nuts is None:
         ran_nuts = True
-        _say(progress, f"NUTS: {run_kwargs['num_chains']} chain(s) x "
-                       f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup")
+        _say(
+            progress,
+            f"NUTS: {run_kwargs['num_chains']} chain(s) x "
+            f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup",
+        )
         with PeakMemory() as nuts_memory:
-            nuts = run_nuts(model, *args, seed=seed, max_plate_nesting=mpn,
-                            progress_bar=progress, **run_kwargs, **kwargs)
+            nuts = run_nuts(
+                model,
+                *args,
+                seed=seed,
+                max_plate_nesting=mpn,
+                progress_bar=progress,
+                **run_kwargs,
+                **kwargs,
+            )
         _say(progress, f"  done in {nuts.wall_time:.1f} s")
         if nuts.weakness():
             _say(progress, f"  weak reference: {nuts.weakness()}")
@@ -343,10 +372,21 @@ def compare(
         with PeakMemory() as memory:
             start = time.perf_counter()
             try:
-                fitted, trace = _fit(spec, model, args, kwargs, num_steps, lrs[label], mpn,
-                                     progress, precondition=precondition, trace=trace)
-                samples, kind = posterior_draws(fitted, model, args, kwargs, num_samples, mpn,
-                                                shapes)
+                fitted, trace = _fit(
+                    spec,
+                    model,
+                    args,
+                    kwargs,
+                    num_steps,
+                    lrs[label],
+                    mpn,
+                    progress,
+                    precondition=precondition,
+                    trace=trace,
+                )
+                samples, kind = posterior_draws(
+                    fitted, model, args, kwargs, num_samples, mpn, shapes
+                )
                 failure = None
             except DivergenceError as e:
                 # one diverged method is a result, not the end of the comparison
@@ -354,16 +394,28 @@ def compare(
                 failure = f"diverged at step {len(trace) + 1}: {str(e).splitlines()[0]}"
             wall = time.perf_counter() - start
         results[label] = MethodResult(
-            label, samples, None, wall, trace, lrs[label], description=method.description,
-            kind=kind, loss_label=method.trace_label, approximation=fitted,
-            peak_mb=memory.peak_mb, failure=failure,
+            label,
+            samples,
+            None,
+            wall,
+            trace,
+            lrs[label],
+            description=method.description,
+            kind=kind,
+            loss_label=method.trace_label,
+            approximation=fitted,
+            peak_mb=memory.peak_mb,
+            failure=failure,
         )
         if failure:
             _say(progress, f"  {failure}")
             continue
-        window = trace[-max(1, num_steps // 10):]
-        _say(progress, f"  done in {wall:.1f} s; last {len(window)} steps' mean "
-                       f"{method.trace_label.split(' (')[0]}: {sum(window) / len(window):.4g}")
+        window = trace[-max(1, num_steps // 10) :]
+        _say(
+            progress,
+            f"  done in {wall:.1f} s; last {len(window)} steps' mean "
+            f"{method.trace_label.split(' (')[0]}: {sum(window) / len(window):.4g}",
+        )
     pyro.clear_param_store()
 
     ordered = {}
@@ -374,13 +426,17 @@ def compare(
         ordered[label] = r
     nuts_ksd = None
     if diagnostics:
-        _say(progress, "diagnostics: kernel Stein discrepancy of every row, PSIS k-hat of "
-                       "guides with a log-density")
+        _say(
+            progress,
+            "diagnostics: kernel Stein discrepancy of every row, PSIS k-hat of "
+            "guides with a log-density",
+        )
         nuts_ksd = _add_diagnostics(model, args, kwargs, ordered, nuts, mpn, seed)
 
     settings = {
-        "methods": {label: s if isinstance(s, str) else type(s).__name__
-                    for label, s in specs.items()},
+        "methods": {
+            label: s if isinstance(s, str) else type(s).__name__ for label, s in specs.items()
+        },
         "num_steps": num_steps,
         "num_samples": num_samples,
         "nuts_kwargs": run_kwargs if ran_nuts else {},
@@ -391,8 +447,14 @@ def compare(
         "diagnostics": bool(diagnostics),
         "held_model_parameters": held,
     }
-    return ComparisonResult(ordered, nuts, None if nuts is None else _split_metrics(nuts),
-                            settings, nuts_peak_mb=nuts_memory.peak_mb, nuts_ksd=nuts_ksd)
+    return ComparisonResult(
+        ordered,
+        nuts,
+        None if nuts is None else _split_metrics(nuts),
+        settings,
+        nuts_peak_mb=nuts_memory.peak_mb,
+        nuts_ksd=nuts_ksd,
+    )
 
 
 class _HeldParameters(Messenger):
@@ -443,8 +505,9 @@ def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):
             coordinates = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
 
         def ksd(draws):
-            return stein_discrepancy(model, draws, *args, preconditioner=coordinates,
-                                     max_plate_nesting=mpn, **kwargs)
+            return stein_discrepancy(
+                model, draws, *args, preconditioner=coordinates, max_plate_nesting=mpn, **kwargs
+            )
 
         unreliable = []
         for name, r in results.items():
@@ -453,8 +516,9 @@ def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):
             r.ksd = ksd(r.samples)
             if has_log_density(r.approximation):
                 pyro.set_rng_seed(seed)
-                r.k_hat = psis_diagnostic(model, r.approximation, *args, num_samples=1000,
-                                          max_plate_nesting=mpn, **kwargs)
+                r.k_hat = psis_diagnostic(
+                    model, r.approximation, *args, num_samples=1000, max_plate_nesting=mpn, **kwargs
+                )
                 if not r.k_hat <= K_HAT_THRESHOLD:
                     unreliable.append(f"{name} ({r.k_hat:.2f})")
         if unreliable:
@@ -476,5 +540,5 @@ def _split_metrics(nuts):
     num = next(iter(nuts.samples.values())).shape[0]
     half = num // 2
     first = {k: v[:half] for k, v in nuts.samples.items()}
-    second = {k: v[half:2 * half] for k, v in nuts.samples.items()}
+    second = {k: v[half : 2 * half] for k, v in nuts.samples.items()}
     return compare_samples(first, second)

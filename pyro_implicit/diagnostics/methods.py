@@ -157,13 +157,21 @@ NUM_PARTICLES = 100
 
 
 def _build_pyro_svgd(model, mpn, optim, precondition=True):
-    return SVGD(model, RBFSteinKernel(), optim, num_particles=NUM_PARTICLES,
-                max_plate_nesting=mpn, mode="multivariate")
+    return SVGD(
+        model,
+        RBFSteinKernel(),
+        optim,
+        num_particles=NUM_PARTICLES,
+        max_plate_nesting=mpn,
+        mode="multivariate",
+    )
 
 
+# fmt: off
 def _build_wsvgd(model, mpn, optim, precondition=True):
     return WeightSpaceSVGD(model, optim, num_particles=NUM_PARTICLES, max_plate_nesting=mpn,
                            precondition=precondition)
+# fmt: on
 
 
 _REGISTRY = (

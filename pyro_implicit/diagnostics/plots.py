@@ -56,8 +56,9 @@ def select_coordinates(samples, coords=None, max_coords=6):
     x, names = flatten_samples(samples)
     if coords is None:
         spread = x.std(0) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=x.dtype)
-        varying = [i for i in range(len(names))
-                   if spread[i] > 1e-12 * (1 + float(x[:, i].abs().max()))]
+        varying = [
+            i for i in range(len(names)) if spread[i] > 1e-12 * (1 + float(x[:, i].abs().max()))
+        ]
         keep = (varying or list(range(len(names))))[:max_coords]
     else:
         if isinstance(coords, str):
@@ -78,8 +79,17 @@ def _thin(x, max_points, generator):
     return x[torch.randperm(x.shape[0], generator=generator)[:max_points]]
 
 
-def pair_plot(samples, reference, coords=None, max_coords=6, label="method",
-              reference_label="NUTS", bins=40, max_points=600, seed=0):
+def pair_plot(
+    samples,
+    reference,
+    coords=None,
+    max_coords=6,
+    label="method",
+    reference_label="NUTS",
+    bins=40,
+    max_points=600,
+    seed=0,
+):
     """Marginals and pairwise scatter of an approximation over the reference draws.
 
     The diagonal holds the two marginal histograms (densities, shared bins), the lower
@@ -98,8 +108,9 @@ def pair_plot(samples, reference, coords=None, max_coords=6, label="method",
     :rtype: matplotlib.figure.Figure
     """
     # the method's site order (the model's), not the reference's (NUTS sorts its sites)
-    reference = {k: reference[k] for k in list(samples) + list(reference)
-                 if k in reference and k in samples}
+    reference = {
+        k: reference[k] for k in list(samples) + list(reference) if k in reference and k in samples
+    }
     ref, names = select_coordinates(reference, coords, max_coords)
     full, all_names = flatten_samples({k: samples[k] for k in reference})
     index = {n: i for i, n in enumerate(all_names)}
@@ -122,18 +133,38 @@ def pair_plot(samples, reference, coords=None, max_coords=6, label="method",
                 finite = both[torch.isfinite(both)]
                 lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0, 1)
                 edges = torch.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1).numpy()
-                ax.hist(ref[:, i].numpy(), bins=edges, density=True, color=NUTS_COLOR,
-                        alpha=0.45, label=reference_label)
-                ax.hist(draws[:, i].numpy(), bins=edges, density=True, histtype="step",
-                        color=METHOD_COLOR, linewidth=1.5, label=label)
+                ax.hist(
+                    ref[:, i].numpy(),
+                    bins=edges,
+                    density=True,
+                    color=NUTS_COLOR,
+                    alpha=0.45,
+                    label=reference_label,
+                )
+                ax.hist(
+                    draws[:, i].numpy(),
+                    bins=edges,
+                    density=True,
+                    histtype="step",
+                    color=METHOD_COLOR,
+                    linewidth=1.5,
+                    label=label,
+                )
                 ax.set_yticks([])
             else:
-                ax.scatter(ref_pts[:, j], ref_pts[:, i], s=3, color=NUTS_COLOR, alpha=0.35,
-                           linewidths=0)
+                ax.scatter(
+                    ref_pts[:, j], ref_pts[:, i], s=3, color=NUTS_COLOR, alpha=0.35, linewidths=0
+                )
                 # a small set (particles) is drawn larger and opaque, so it stays visible
                 few = draw_pts.shape[0] <= 200
-                ax.scatter(draw_pts[:, j], draw_pts[:, i], s=10 if few else 3,
-                           color=METHOD_COLOR, alpha=0.9 if few else 0.35, linewidths=0)
+                ax.scatter(
+                    draw_pts[:, j],
+                    draw_pts[:, i],
+                    s=10 if few else 3,
+                    color=METHOD_COLOR,
+                    alpha=0.9 if few else 0.35,
+                    linewidths=0,
+                )
             if i == k - 1:
                 ax.set_xlabel(names[j])
             if j == 0 and i > 0:
@@ -181,10 +212,14 @@ def loss_curves(traces, window=None):
         w = window or max(1, len(losses) // 50)
         smooth = _moving_average(losses, w)
         ax.plot(steps.numpy(), losses, color=METHOD_COLOR, alpha=0.25, linewidth=0.8)
-        ax.plot(steps[w - 1:w - 1 + smooth.numel()].numpy(), smooth.numpy(), color=METHOD_COLOR,
-                linewidth=1.5)
+        ax.plot(
+            steps[w - 1 : w - 1 + smooth.numel()].numpy(),
+            smooth.numpy(),
+            color=METHOD_COLOR,
+            linewidth=1.5,
+        )
         # the first steps are often orders of magnitude above the rest
-        tail = torch.tensor(losses[len(losses) // 10:])
+        tail = torch.tensor(losses[len(losses) // 10 :])
         tail = tail[torch.isfinite(tail)]
         if tail.numel() > 1:
             lo, hi = float(tail.min()), float(tail.max())
@@ -193,7 +228,7 @@ def loss_curves(traces, window=None):
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel("\n".join(textwrap.wrap(ylabel, 30)), fontsize="small")
-    for ax in axes[len(items):]:
+    for ax in axes[len(items) :]:
         ax.set_axis_off()
     return fig
 
@@ -204,9 +239,19 @@ def _band(values, prob):
     return values.mean(0), lo, hi
 
 
-def regression_predictive_plot(model, x, draws, reference, y=None, kwargs=None,
-                               max_plate_nesting=None, mean_site="f", obs_site="obs",
-                               prob=0.9, seed=0):
+def regression_predictive_plot(
+    model,
+    x,
+    draws,
+    reference,
+    y=None,
+    kwargs=None,
+    max_plate_nesting=None,
+    mean_site="f",
+    obs_site="obs",
+    prob=0.9,
+    seed=0,
+):
     """Predictive mean and central ``prob`` band of each method against NUTS at inputs
     ``x``, for a regression model ``model(x, y=None, **kwargs)`` with a function-value
     site (``mean_site``, a ``pyro.deterministic``) and a Gaussian-like observed site.
@@ -235,10 +280,12 @@ def regression_predictive_plot(model, x, draws, reference, y=None, kwargs=None,
     sites = [mean_site, obs_site]
 
     def predict(d):
-        out = predictive_samples(model, (x,), kwargs, d, sites=sites,
-                                 max_plate_nesting=max_plate_nesting, seed=seed)
+        out = predictive_samples(
+            model, (x,), kwargs, d, sites=sites, max_plate_nesting=max_plate_nesting, seed=seed
+        )
         return out[mean_site].to(torch.float64).mean(0), _band(
-            out[obs_site].to(torch.float64), prob)
+            out[obs_site].to(torch.float64), prob
+        )
 
     ref_mean, (_, ref_lo, ref_hi) = predict(reference)
     if x.shape[-1] == 1:
@@ -258,19 +305,31 @@ def regression_predictive_plot(model, x, draws, reference, y=None, kwargs=None,
     pct = f"{100 * prob:g}%"
     for ax, (name, d) in zip(axes, draws.items(), strict=False):
         mean, (_, lo, hi) = predict(d)
-        ax.fill_between(pos, ref_lo[order].numpy(), ref_hi[order].numpy(), color=NUTS_COLOR,
-                        alpha=0.3, linewidth=0, label=f"NUTS {pct}")
-        ax.plot(pos, ref_mean[order].numpy(), color=NUTS_COLOR, linewidth=1.2,
-                label="NUTS mean")
-        ax.fill_between(pos, lo[order].numpy(), hi[order].numpy(), color=METHOD_COLOR,
-                        alpha=0.25, linewidth=0, label=f"{name} {pct}")
-        ax.plot(pos, mean[order].numpy(), color=METHOD_COLOR, linewidth=1.2,
-                label=f"{name} mean")
+        ax.fill_between(
+            pos,
+            ref_lo[order].numpy(),
+            ref_hi[order].numpy(),
+            color=NUTS_COLOR,
+            alpha=0.3,
+            linewidth=0,
+            label=f"NUTS {pct}",
+        )
+        ax.plot(pos, ref_mean[order].numpy(), color=NUTS_COLOR, linewidth=1.2, label="NUTS mean")
+        ax.fill_between(
+            pos,
+            lo[order].numpy(),
+            hi[order].numpy(),
+            color=METHOD_COLOR,
+            alpha=0.25,
+            linewidth=0,
+            label=f"{name} {pct}",
+        )
+        ax.plot(pos, mean[order].numpy(), color=METHOD_COLOR, linewidth=1.2, label=f"{name} mean")
         if y is not None:
             ax.scatter(pos, y[order].numpy(), s=5, color="k", zorder=3, label="y")
         ax.set_title(name)
         ax.set_xlabel(xlabel, fontsize="small")
         ax.legend(fontsize="x-small", frameon=False)
-    for ax in axes[len(draws):]:
+    for ax in axes[len(draws) :]:
         ax.set_axis_off()
     return fig

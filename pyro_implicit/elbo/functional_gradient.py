@@ -141,8 +141,9 @@ class _FunctionalGradientELBO(ImplicitELBO):
         traces the model)."""
         n, mpn = self.num_particles, self.max_plate_nesting
         # as the traced-model path does: a failure at non-finite draws names the sites
-        guide_trace = self._run_traced(self._vectorized_num_particles(guide), args, kwargs,
-                                       "the guide")
+        guide_trace = self._run_traced(
+            self._vectorized_num_particles(guide), args, kwargs, "the guide"
+        )
         sites = implicit_guide_sites(guide_trace)
         site = sites[0]
         guide_obj = implicit_site_info(site)["guide"]

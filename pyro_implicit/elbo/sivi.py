@@ -269,9 +269,7 @@ class SIVI_ELBO(ImplicitELBO):
             pad = (1,) * (z.dim() - psi_extra.dim())
             psi_extra = psi_extra.reshape(psi_extra.shape[:1] + pad + psi_extra.shape[1:])
             parts.append(guide.conditional_log_prob(z.unsqueeze(1), psi_extra, x))
-        log_q = torch.cat(
-            [p.expand((z.shape[0], p.shape[1]) + p.shape[2:]) for p in parts], dim=1
-        )
+        log_q = torch.cat([p.expand((z.shape[0], p.shape[1]) + p.shape[2:]) for p in parts], dim=1)
         log_h = torch.logsumexp(log_q, dim=1) - math.log(log_q.shape[1])  # (J, *batch)
         log_h = scale_and_mask(log_h.expand((n,) + log_h.shape[1:]), site["scale"], site["mask"])
         return log_h.reshape(n, -1).sum(-1)
