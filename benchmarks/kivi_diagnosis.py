@@ -32,7 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stiff  # noqa: E402
 
-from pyro_implicit import ImplicitGuide, KernelRatioELBO, WeightSpaceSVGD  # noqa: E402
+from pyro_implicit import (  # noqa: E402
+    ImplicitGuide,
+    KernelRatioELBO,
+    SteinScoreELBO,
+    WeightSpaceSVGD,
+)
 from pyro_implicit.diagnostics.compare import latent_shapes, posterior_draws  # noqa: E402
 from pyro_implicit.diagnostics.metrics import compare_samples  # noqa: E402
 
@@ -57,6 +62,20 @@ KIVI_COMBINED = [
      {"num_particles": 200, "contrast_rate": 0.1}, 3e-3),
 ]
 
+#: the Stein score estimate against the kernel ratio on the same Gaussian part
+#: (``--set stein``): (label, ImplicitGuide kwargs, loss kwargs, lr); a loss kwargs dict
+#: with ``"loss": "stein"`` builds ``SteinScoreELBO``
+STEIN_VARIANTS = [
+    ("SteinScoreELBO() (ridge 0.01)", {}, {"loss": "stein"}, 1e-2),
+    ("SteinScoreELBO(ridge=0.1)", {}, {"loss": "stein", "ridge": 0.1}, 1e-2),
+    ("SteinScoreELBO(ridge=1)", {}, {"loss": "stein", "ridge": 1.0}, 1e-2),
+    ("SteinScoreELBO(num_particles=200)", {}, {"loss": "stein", "num_particles": 200}, 1e-2),
+    ("SteinScoreELBO() + lr 3e-3", {}, {"loss": "stein"}, 3e-3),
+    ("kernel ratio, contrast 'moments'", {}, {"adaptive_contrast": "moments"}, 1e-2),
+    ("kernel ratio, contrast 'moments', regularizer 0.1", {},
+     {"adaptive_contrast": "moments", "regularizer": 0.1}, 1e-2),
+]
+
 #: SVGD variants: (label, WeightSpaceSVGD kwargs, lr)
 SVGD_VARIANTS = [
     ("default (100, median)", {}, 1e-2),
@@ -79,7 +98,9 @@ def fit_kivi(name, guide_kwargs, loss_kwargs, lr, steps, every, seed, reference)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = ImplicitGuide(model, **guide_kwargs)
-    elbo = KernelRatioELBO(max_plate_nesting=mpn, **loss_kwargs)
+    loss_kwargs = dict(loss_kwargs)
+    cls = SteinScoreELBO if loss_kwargs.pop("loss", None) == "stein" else KernelRatioELBO
+    elbo = cls(max_plate_nesting=mpn, **loss_kwargs)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), elbo)
     trace, clipped, kls, anchors = [], [], [], 0
     start = time.perf_counter()
@@ -139,9 +160,12 @@ def markdown(record):
     steps = record["settings"]["steps"]
     cols = list(range(every, steps + 1, every))
     lines = [
-        "# Why the kernel ratio and weight-space SVGD miss: "
-        + ("the helpful factors combined" if record["settings"].get("set") == "combined"
-           else "one factor at a time"),
+        {"combined": "# Why the kernel ratio and weight-space SVGD miss: the helpful factors "
+                     "combined",
+         "stein": "# The Stein score estimate against the kernel ratio, on the draws' own "
+                  "Gaussian"}.get(record["settings"].get("set"),
+                                  "# Why the kernel ratio and weight-space SVGD miss: one "
+                                  "factor at a time"),
         "",
         f"`{record['command']}` (commit {record['commit']}, {record['date']}), float64, one "
         f"thread, seed {record['settings']['seed']}, {steps} steps, scored every {every} "
@@ -150,7 +174,8 @@ def markdown(record):
         "",
     ]
     for method in ("kivi", "svgd"):
-        title = "ImplicitGuide + KernelRatioELBO" if method == "kivi" else "WeightSpaceSVGD"
+        title = ("ImplicitGuide + KernelRatioELBO or SteinScoreELBO" if method == "kivi"
+                 else "WeightSpaceSVGD")
         lines += [f"## {title}", ""]
         extra = " | clipped (last) | re-anchored | s |" if method == "kivi" else " | s |"
         lines += ["| model | variant | " + " | ".join(f"step {c}" for c in cols) + extra,
@@ -182,7 +207,8 @@ def _jobs(name, reference, methods, args):
     """``(method, variant, thunk)`` for every variant of the chosen methods."""
     jobs = []
     if "kivi" in methods:
-        variants = KIVI_COMBINED if args.set == "combined" else KIVI_VARIANTS
+        variants = {"combined": KIVI_COMBINED, "stein": STEIN_VARIANTS}.get(
+            args.set, KIVI_VARIANTS)
         for label, guide_kwargs, loss_kwargs, lr in variants:
             jobs.append(("kivi", label, lambda g=guide_kwargs, lo=loss_kwargs, lr=lr: fit_kivi(
                 name, g, lo, lr, args.steps, args.every, args.seed, reference)))
@@ -203,8 +229,9 @@ def main(argv=None):
     p.add_argument("--out")
     p.add_argument("--markdown")
     p.add_argument("--from-json", help="only rewrite --markdown from this results file")
-    p.add_argument("--set", choices=["single", "combined"], default="single",
-                   help="KIVI variants: one factor at a time, or combinations")
+    p.add_argument("--set", choices=["single", "combined", "stein"], default="single",
+                   help="KIVI variants: one factor at a time, combinations, or the Stein "
+                   "score estimate against the kernel ratio")
     args = p.parse_args(argv)
     if args.from_json:
         Path(args.markdown).write_text(markdown(json.loads(Path(args.from_json).read_text()))

@@ -21,7 +21,10 @@ import importlib.util
 import json
 import pathlib
 
-OURS = ("implicit", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
+OURS = ("kivi", "stein_score", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
+
+#: names that earlier result files used (the registry's aliases)
+RENAMED = {"implicit": "kivi"}
 
 
 def _stiff():
@@ -40,6 +43,7 @@ def merge(paths):
         runs.append((path, record["command"], commit, record["date"]))
         for row in record["results"]:
             row = dict(row, commit=commit)
+            row["method"] = RENAMED.get(row["method"], row["method"])
             rows[(row["model"], row["method"], row["precondition"])] = row
         for name, ref in record["references"].items():
             references.setdefault(name, ref)

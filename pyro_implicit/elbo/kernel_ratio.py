@@ -175,7 +175,12 @@ class KernelRatioELBO(ImplicitELBO):
         density and the constraint Jacobians); it is far more accurate whenever the
         posterior is much narrower than the prior, and needs no prior samples. r is a
         diagonal (``"diag"`` or ``True``, the paper's) or full-covariance (``"full"``)
-        Gaussian fitted to q's samples each step, or ``"preconditioner"``: the fixed
+        Gaussian fitted to q's samples each step, ``"moments"``: the full-covariance
+        Gaussian of the draws' own maximum-likelihood moments, unshrunk while
+        ``num_particles > D + 1`` (its score is then exact at the draws for an affine
+        generator; the kernel ratio estimates the rest; ``benchmarks/results/
+        stein_score.md`` measured it: the ratio's residual makes q too wide), or
+        ``"preconditioner"``: the fixed
         Gaussian :math:`N(m, LL^\top)` of the guide's preconditioner
         (:mod:`pyro_implicit.latent`), so the kernel acts on the whitened draws, where q
         starts exactly at r (a ratio of 1 is where kernel ratio fits are most accurate),
@@ -263,9 +268,11 @@ class KernelRatioELBO(ImplicitELBO):
         self.clip = float(clip)
         self.kernel = RBFKernel() if kernel is None else kernel
         self.per_group = per_group
-        if adaptive_contrast not in (False, True, "auto", "diag", "full", "preconditioner"):
+        if adaptive_contrast not in (
+            False, True, "auto", "diag", "full", "moments", "preconditioner"
+        ):
             raise ValueError(
-                "adaptive_contrast must be 'auto', False, 'diag' (True), 'full' or "
+                "adaptive_contrast must be 'auto', False, 'diag' (True), 'full', 'moments' or "
                 f"'preconditioner', got {adaptive_contrast!r}"
             )
         self.adaptive_contrast = "diag" if adaptive_contrast is True else adaptive_contrast
