@@ -40,6 +40,7 @@ from pyro_implicit import (  # noqa: E402
     KernelRatioELBO,
     LinearizedGuide,
     SemiImplicitGuide,
+    SteinScoreELBO,
     WeightSpaceSVGD,
 )
 from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS  # noqa: E402
@@ -60,6 +61,7 @@ DEFAULT_METHODS = {
         GPVI_ELBO(),
     ),
     "asvgd": lambda m, p: (ImplicitGuide(m, precondition=p), AmortizedSVGD_ELBO()),
+    "stein_score": lambda m, p: (ImplicitGuide(m, precondition=p), SteinScoreELBO()),
     "wsvgd": None,  # WeightSpaceSVGD(model, optim)
 }
 
