@@ -173,9 +173,18 @@ def capabilities_of(site):
 def requirements():
     """``{loss class name: required capability}`` of the library's losses, read from the
     classes."""
-    from .elbo import GPVI_ELBO, LIVI_ELBO, SIVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO
+    from .elbo import (
+        GPVI_ELBO,
+        LIVI_ELBO,
+        SIVI_ELBO,
+        AmortizedSVGD_ELBO,
+        KernelRatioELBO,
+        SteinScoreELBO,
+    )
 
-    losses = (KernelRatioELBO, SIVI_ELBO, LIVI_ELBO, GPVI_ELBO, AmortizedSVGD_ELBO)
+    losses = (
+        KernelRatioELBO, SteinScoreELBO, SIVI_ELBO, LIVI_ELBO, GPVI_ELBO, AmortizedSVGD_ELBO
+    )
     return {cls.__name__: cls.required_capability for cls in losses}
 
 

@@ -34,6 +34,7 @@ from pyro_implicit import (
     KernelRatioELBO,
     LinearizedGuide,
     SemiImplicitGuide,
+    SteinScoreELBO,
     VectorizationError,
     WeightSpaceSVGD,
     contract,
@@ -171,6 +172,7 @@ _LOSSES = {
     "KernelRatioELBO": lambda: KernelRatioELBO(num_particles=8),
     "SIVI_ELBO": lambda: SIVI_ELBO(num_particles=4, num_mixing=8),
     "LIVI_ELBO": lambda: LIVI_ELBO(num_particles=4),
+    "SteinScoreELBO": lambda: SteinScoreELBO(num_particles=8),
     "GPVI_ELBO": lambda: GPVI_ELBO(num_particles=8),
     "AmortizedSVGD_ELBO": lambda: AmortizedSVGD_ELBO(num_particles=8),
 }
@@ -738,6 +740,7 @@ def _default_fit(method, model, args):
         "KernelRatioELBO": KernelRatioELBO,
         "SIVI_ELBO": SIVI_ELBO,
         "LIVI_ELBO": LIVI_ELBO,
+        "SteinScoreELBO": SteinScoreELBO,
         "GPVI_ELBO": GPVI_ELBO,
         "AmortizedSVGD_ELBO": AmortizedSVGD_ELBO,
     }[method.loss]()

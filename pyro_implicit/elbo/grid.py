@@ -3,7 +3,7 @@ conformance tests (``tests/test_conformance.py``) both come from.
 
 Each loss states the guide capability it needs and refuses a guide without it, naming the
 loss that fits; :data:`GRID` records, for each guide of the README's table and each of the
-three entropy estimators, whether the pair trains (``True``) or is refused (``False``),
+four entropy estimators, whether the pair trains (``True``) or is refused (``False``),
 with the words the README prints in that cell. :func:`grid_table` renders the table, and
 names in a cell the method of the registry (:mod:`pyro_implicit.diagnostics.methods`)
 that trains that pair, as ``compare()`` and the command line call it; the registry in
@@ -17,6 +17,7 @@ LOSSES = (
     ("KernelRatioELBO", "`KernelRatioELBO` (KIVI)"),
     ("SIVI_ELBO", "`SIVI_ELBO` (SIVI)"),
     ("LIVI_ELBO", "`LIVI_ELBO` (LIVI)"),
+    ("SteinScoreELBO", "`SteinScoreELBO` (Stein score)"),
 )
 
 #: the table's rows: (guide class name, row heading)
@@ -44,6 +45,11 @@ GRID = (
     ("AutoNormal", "SIVI_ELBO", True, "yes (= `Trace_ELBO`)"),
     # a guide with a density has nothing for LIVI to linearise: the ordinary ELBO
     ("AutoNormal", "LIVI_ELBO", True, "yes (= `Trace_ELBO`)"),
+    # the Stein score estimate needs only draws: every guide samples
+    ("ImplicitGuide", "SteinScoreELBO", True, "yes"),
+    ("SemiImplicitGuide", "SteinScoreELBO", True, "yes"),
+    ("LinearizedGuide", "SteinScoreELBO", True, "yes"),
+    ("AutoNormal", "SteinScoreELBO", True, "yes (= `Trace_ELBO`)"),
 )
 
 
