@@ -106,3 +106,59 @@ def test_too_many_signatures_fall_back():
     for _ in range(3):
         space.score(u, (x, torch.randn(20, generator=g)))
     assert not space.compiled.active and "signatures" in space.compiled.fallback_reason
+
+
+def _fit_losses(loss_cls, compile, model, args, kwargs, mpn, steps=25, **loss_kwargs):
+    from pyro.infer import SVI
+
+    from pyro_implicit import ImplicitGuide
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = ImplicitGuide(model)
+    loss = loss_cls(max_plate_nesting=mpn, compile=compile, **loss_kwargs)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
+    losses = [svi.step(*args, **kwargs) for _ in range(steps)]
+    params = torch.cat([p.detach().flatten() for p in guide.parameters()])
+    return losses, params, loss
+
+
+def test_kernel_losses_traced_path_matches_the_pyro_traces():
+    """KernelRatioELBO and SteinScoreELBO after their first step draw the guide directly
+    and score the draws with the traced graph: the same losses and parameters, step for
+    step (the random streams are consumed in the same order), on eight schools and on a
+    subsampled model (a fresh minibatch every step)."""
+    from pyro_implicit import KernelRatioELBO, SteinScoreELBO
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = load_model("eight_schools")
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
+        problems = [
+            (m.model, m.args, m.kwargs, m.max_plate_nesting),
+            (subsampled, (x, y), {"subsample_size": 10}, 1),
+        ]
+        for loss_cls in (KernelRatioELBO, SteinScoreELBO):
+            for model, args, kwargs, mpn in problems:
+                fast, p_fast, loss = _fit_losses(loss_cls, "fx", model, args, kwargs, mpn)
+                slow, p_slow, _ = _fit_losses(loss_cls, False, model, args, kwargs, mpn)
+                assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
+                assert (p_fast - p_slow).abs().max() < 1e-8
+                (plan,) = loss._fast_plans.values()
+                assert plan is not None and plan[0].compiled.active  # the path was taken
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def test_kernel_losses_keep_pyro_traces_where_the_graph_does_not_apply():
+    from pyro_implicit import KernelRatioELBO
+
+    m = load_model("eight_schools")
+    # the prior as contrast needs prior draws from a model run: no plan
+    _, _, loss = _fit_losses(
+        KernelRatioELBO, "fx", m.model, m.args, m.kwargs, m.max_plate_nesting, steps=2,
+        adaptive_contrast=False,
+    )
+    assert list(loss._fast_plans.values()) == [None]

@@ -28,9 +28,10 @@ from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuideList
 from pyro.infer.inspect import get_dependencies
 
+from ..compiled import BACKENDS
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, squared_distances
-from ..latent import preconditioner_of
+from ..latent import LatentSpace, preconditioner_of
 from .base import (
     ImplicitELBO,
     _StopAfter,
@@ -214,6 +215,15 @@ class KernelRatioELBO(ImplicitELBO):
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the particle
         plate (see :func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`).
+    :param compile: ``"fx"`` (default): after the first step, which traces the model and
+        the guide through Pyro and checks them, the steps draw the guide's packed latents
+        directly and score them with a traced graph of the model's log-density
+        (:meth:`~pyro_implicit.latent.LatentSpace.compile`; the same loss to float
+        rounding); ``"inductor"`` also compiles that graph; ``False`` traces every step.
+        It applies to one implicit guide over every latent site with an adaptive contrast
+        (the default); an ``AutoGuideList``, ``exact_sites``, several groups, the prior as
+        contrast, KL annealing scales or a model with its own ``pyro.param`` keep the
+        traced steps.
 
     An explicit precision beside a layer-wise implicit BNN posterior (KIVI's UCI set-up)::
 
@@ -249,7 +259,14 @@ class KernelRatioELBO(ImplicitELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
+        if compile not in (None, False) and compile not in BACKENDS:
+            raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
+        #: backend of the traced log-density of the steps after the first (``None``: every
+        #: step traces the model and the guide through Pyro)
+        self.compile = compile or None
+        self._fast_plans = {}  # (id(model), id(guide)) -> plan of the traced path, or None
         if exact_sites == "auto":
             self.exact_sites = "auto"
         else:
@@ -403,14 +420,8 @@ class KernelRatioELBO(ImplicitELBO):
         full_rank = True
         for site in implicit_guide_sites(guide_trace):
             guide = implicit_site_info(site)["guide"]
-            pre = preconditioner_of(guide)
             full_rank = full_rank and getattr(guide, "full_rank", True)
-            start = 0
-            for name, shape in guide._unconstrained_shapes.items():
-                size = math.prod(shape)
-                if not pre.is_identity:
-                    found[name] = (pre, slice(start, start + size))
-                start += size
+            found.update(_packed_preconditioners(guide))
         if all(name in found for name in names):
             if kind == "auto" and not full_rank:
                 # q lives on a manifold of the noise's size: its KL to a fixed full-rank
@@ -428,6 +439,11 @@ class KernelRatioELBO(ImplicitELBO):
         return False, None  # "auto" without a preconditioner: the paper's prior contrast
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
+        plan = self._fast_plans.get((id(model), id(guide)))
+        if plan is not None:
+            out = self._fast_loss_and_surrogate(plan, guide, args, kwargs)
+            if out is not None:
+                return out
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
         n, mpn = self.num_particles, self.max_plate_nesting
         loglik = self.log_likelihood_particles(model_trace).mean()
@@ -462,25 +478,13 @@ class KernelRatioELBO(ImplicitELBO):
             scale = _common_scale([latents[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
             if ac:
-                # Adaptive contrast (KIVI App. D): KL(q||p) = E_q[log r - log p] + KL(q||r)
-                # with r a diagonal Gaussian matched to q (moments detached); KL(q||r)
-                # equals the KL of the standardised q to N(0, I), which the kernel
-                # estimator handles far better than a comparison with a distant prior.
-                if ac == "preconditioner":
-                    contrast = self._tracking_contrast(preconditioners, group, q.detach())
-                    key = self._last_contrast_key
-                else:
-                    contrast = _fit_contrast(q.detach(), ac)
-                log_r = contrast.log_prob(q)
                 # unscaled: the group's scale multiplies the whole term once, below
                 log_p = sum(
                     particle_sum(_unscaled_log_prob(latents[name]), n, mpn) + log_jac[name]
                     for name in group
                 )
-                kl, info = self._whitened_kl(_whiten(contrast, q))
-                if ac == "preconditioner":
-                    self._saturated[key] = info["clipped_fraction"] > 0.5
-                group_term = (log_p - log_r).mean() - kl
+                contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, q)
+                group_term = log_p.mean() + contrast_term
             else:
                 p = torch.cat([p_parts[name] for name in group], dim=-1).to(q.dtype)
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
@@ -490,8 +494,86 @@ class KernelRatioELBO(ImplicitELBO):
             self.diagnostics["+".join(group)] = info
 
         elbo = loglik + latent_term
+        key = (id(model), id(guide))
+        if self.compile and key not in self._fast_plans:
+            self._fast_plans[key] = self._fast_plan(
+                model_trace, guide_trace, guide, args, kwargs, latents, names, exact_sites,
+                groups, ac,
+            )
         # The KL estimate is built to have the eq. (7) gradient, so value and surrogate
         # coincide here.
+        return -elbo.detach(), -elbo
+
+    def _contrast_term(self, ac, preconditioners, group, q):
+        r"""Adaptive contrast (KIVI App. D): :math:`\mathrm{KL}(q\|p) = \mathbb E_q[\log r -
+        \log p] + \mathrm{KL}(q\|r)` with r a Gaussian matched to q (moments detached);
+        :math:`\mathrm{KL}(q\|r)` equals the KL of the whitened q to N(0, I), which the kernel
+        estimator handles far better than a comparison with a distant prior. Returns
+        ``(-E_q[log r] - KL(q||r), KL estimate, info)`` for the draws ``q`` (with graph)."""
+        if ac == "preconditioner":
+            contrast = self._tracking_contrast(preconditioners, group, q.detach())
+            key = self._last_contrast_key
+        else:
+            contrast = _fit_contrast(q.detach(), ac)
+        log_r = contrast.log_prob(q)
+        kl, info = self._whitened_kl(_whiten(contrast, q))
+        if ac == "preconditioner":
+            self._saturated[key] = info["clipped_fraction"] > 0.5
+        return -log_r.mean() - kl, kl, info
+
+    def _fast_plan(self, model_trace, guide_trace, guide, args, kwargs, latents, names,
+                   exact_sites, groups, ac):
+        """What the traced path of the next steps needs, read once from a full step; ``None``
+        where a step needs Pyro's traces: an ``AutoGuideList`` or several implicit guides,
+        sites with an exact KL term, several groups, the prior as contrast, latent scales
+        other than 1, or the model's own parameters. The compiled log-density (the model's
+        Python run once per input signature, :meth:`LatentSpace.compile`) then scores the
+        guide's draws."""
+        sites = implicit_guide_sites(guide_trace)
+        if (
+            not ac
+            or exact_sites
+            or len(groups) != 1
+            or len(sites) != 1
+            or implicit_site_info(sites[0])["guide"] is not guide
+            or list(guide._unconstrained_shapes) != groups[0]
+            or _common_scale([latents[name] for name in names]) != 1.0
+            or any(site["type"] == "param" for site in model_trace.nodes.values())
+        ):
+            return None
+        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
+        return space.compile(self.compile), ac, groups[0]
+
+    def _fast_loss_and_surrogate(self, plan, guide, args, kwargs):
+        """A step without Pyro traces: the guide's draws ``u`` (with graph), the log-density
+        and its score from the compiled graph (one minibatch where the model subsamples, as
+        a model trace gives), and the same contrast and kernel terms as a traced step.
+        ``None`` where the graph is not available, or a draw or its log-density is not finite
+        or beyond :attr:`max_abs_draw` (the traced step then runs, and names the sites if
+        the fit has diverged)."""
+        space, ac, group = plan
+        if not space.compiled.active:
+            return None
+        # read anew: a loaded state may have replaced the guide's preconditioner
+        preconditioners = _packed_preconditioners(guide) if ac == "preconditioner" else None
+        guide._sync_param_store()
+        with guide._pyro_context:  # registers the sampler's parameters, as a call would
+            u = guide.sample_unconstrained(self.num_particles)
+        limit = self.max_abs_draw if self.max_abs_draw is not None else math.inf
+        if not bool(torch.isfinite(u).all()) or u.detach().abs().max().item() > limit:
+            return None
+        out = space.score(u.detach(), args, kwargs, full_data=False)
+        if out is None or not bool(torch.isfinite(out[0]).all()):
+            return None
+        log_density, score = out
+        self._last_traces = None
+        # the model term: value E[log p(x, u)], gradient E[score . du]
+        model_term = (score.detach() * u).sum(-1).mean()
+        model_term = model_term - model_term.detach() + log_density.mean().detach()
+        contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, u)
+        info["kl"] = kl.item()
+        self.diagnostics = {"+".join(group): info}
+        elbo = model_term + contrast_term
         return -elbo.detach(), -elbo
 
     def _whitened_kl(self, z):
@@ -604,6 +686,19 @@ class KernelRatioELBO(ImplicitELBO):
             "exact": True,
         }
         return value
+
+
+def _packed_preconditioners(guide):
+    """``{site: (preconditioner, slice of the guide's packed vector)}`` of a preconditioned
+    guide (empty without a preconditioner)."""
+    pre = preconditioner_of(guide)
+    found, start = {}, 0
+    for name, shape in guide._unconstrained_shapes.items():
+        size = math.prod(shape)
+        if not pre.is_identity:
+            found[name] = (pre, slice(start, start + size))
+        start += size
+    return found
 
 
 def _implicitly_drawn(guide_trace):

@@ -150,6 +150,8 @@ class SteinScoreELBO(KernelRatioELBO):
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the particle
         plate.
+    :param compile: as :class:`~pyro_implicit.elbo.KernelRatioELBO` (``"fx"``: after the
+        first step, a traced graph of the model's log-density scores the draws).
 
     References
 
@@ -171,6 +173,7 @@ class SteinScoreELBO(KernelRatioELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
         if not ridge > 0:
             raise ValueError(f"ridge must be positive, got {ridge}")
@@ -185,6 +188,7 @@ class SteinScoreELBO(KernelRatioELBO):
             max_plate_nesting=max_plate_nesting,
             check_vectorization=check_vectorization,
             retain_graph=retain_graph,
+            compile=compile,
         )
         # the contrast is the Gaussian of q's own draws, unshrunk (its score is then exact
         # at the draws for an affine generator); the kernel term is the Stein residual
