@@ -12,6 +12,8 @@ Usage::
 
     python benchmarks/compiled_score.py --particles 100 --calls 200 --repeats 3 \\
         --out benchmarks/results/compiled_score.md
+    python benchmarks/compiled_score.py --only-losses --loss-particles 100 --calls 200 \\
+        --repeats 2 --out benchmarks/results/kernel_loss_steps.md
 """
 
 import argparse
@@ -93,7 +95,13 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
 
-    from pyro_implicit import GPVI_ELBO, AmortizedSVGD_ELBO, ImplicitGuide
+    from pyro_implicit import (
+        GPVI_ELBO,
+        AmortizedSVGD_ELBO,
+        ImplicitGuide,
+        KernelRatioELBO,
+        SteinScoreELBO,
+    )
     from pyro_implicit.guides import gpvi_generator
 
     pyro.clear_param_store()
@@ -105,7 +113,11 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     else:
         method, backend = name.split("-")
         compile = False if backend == "eager" else backend
-        if method == "gpvi":
+        if method in ("kivi", "stein"):
+            cls = KernelRatioELBO if method == "kivi" else SteinScoreELBO
+            guide = ImplicitGuide(model)
+            loss = cls(num_particles=particles, max_plate_nesting=mpn, compile=compile)
+        elif method == "gpvi":
             guide = ImplicitGuide(model, generator=gpvi_generator())
             loss = GPVI_ELBO(num_particles=particles, max_plate_nesting=mpn, compile=compile)
         else:
@@ -123,6 +135,51 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
 
 LOSSES = ("autonormal", "gpvi-eager", "gpvi-fx", "asvgd-eager", "asvgd-fx")
 
+#: ``--only-losses``: the kernel losses, whose traced path skips the guide's trace too
+KERNEL_LOSSES = ("autonormal", "kivi-eager", "kivi-fx", "stein-eager", "stein-fx")
+
+
+def main_losses(args, command, commit):
+    """The SVI-step table alone, for :data:`KERNEL_LOSSES` (``--only-losses``)."""
+    rows = []
+    for name, (model, margs, mkwargs, mpn) in models().items():
+        losses = {n: float("inf") for n in KERNEL_LOSSES}
+        for _ in range(args.repeats):
+            for loss_name in KERNEL_LOSSES:
+                ms = time_loss(model, margs, mkwargs, mpn, loss_name, args.loss_particles,
+                               args.calls // 2, args.seed)
+                losses[loss_name] = min(losses[loss_name], ms)
+        rows.append((name, losses))
+        print(name, {n: f"{v:.2f} ms" for n, v in losses.items()}, flush=True)
+    lines = [
+        "# SVI steps of the kernel losses: Pyro traces against the traced graph",
+        "",
+        f"`{command}` (commit {commit}, {datetime.date.today()}), float32, "
+        f"{args.threads} thread(s), {args.loss_particles} vectorised particles, ms per step "
+        f"(best of {args.repeats} alternating repeats of {args.calls // 2} steps after 5), "
+        "against AutoNormal + Trace_ELBO with as many particles. `kivi` = ImplicitGuide + "
+        "KernelRatioELBO(), `stein` = ImplicitGuide + SteinScoreELBO(); `-fx`: after the "
+        "first step the guide is drawn directly and its draws scored by the traced graph "
+        "(`compile='fx'`, the default); `-eager`: every step traces the guide and the model "
+        "through Pyro (`compile=False`, the code before this path).",
+        "",
+        "| model | " + " | ".join(KERNEL_LOSSES) + " | kivi speed-up | stein speed-up | "
+        + " | ".join(f"{n} / autonormal" for n in KERNEL_LOSSES[1:]) + " |",
+        "|---|" + "---:|" * (2 * len(KERNEL_LOSSES) + 1),
+    ]
+    for name, losses in rows:
+        base = losses["autonormal"]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{losses[n]:.2f}" for n in KERNEL_LOSSES)
+            + f" | {losses['kivi-eager'] / losses['kivi-fx']:.2f}x"
+            + f" | {losses['stein-eager'] / losses['stein-fx']:.2f}x | "
+            + " | ".join(f"{losses[n] / base:.2f}" for n in KERNEL_LOSSES[1:]) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return rows
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -134,6 +191,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="Markdown results file")
+    p.add_argument("--only-losses", action="store_true",
+                   help="only the kernel losses' SVI steps (KernelRatioELBO, SteinScoreELBO)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float32)
@@ -141,6 +200,8 @@ def main(argv=None):
     command = "python benchmarks/compiled_score.py " + " ".join(argv or sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).parent).stdout.strip()
+    if args.only_losses:
+        return main_losses(args, command, commit)
     rows = []
     for name, (model, margs, mkwargs, mpn) in models().items():
         best = {b: float("inf") for b in BACKENDS}
