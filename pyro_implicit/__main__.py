@@ -71,7 +71,7 @@ __all__ = ["build_parser", "load_user_model", "main"]
 #: defaults of the ``compare`` command (the default job); tuned to take about a minute
 DEFAULTS = {
     "model": "eight_schools",
-    "methods": "kivi,sivi,autonormal,automvn",
+    "methods": "kivi,stein_score,sivi,autonormal,automvn",
     "steps": 1000,
     "samples": 2000,
     "nuts_samples": 500,
