@@ -145,3 +145,16 @@ def test_fit_recovers_a_conjugate_posterior(gaussian_part, monkeypatch):
     sd_ratio = draws.std(0) / sd
     ok = mean_error < 0.2 and 0.85 <= sd_ratio.min() and sd_ratio.max() <= 1.15
     assert ok == gaussian_part, (mean_error, sd_ratio)
+
+
+def test_more_dimensions_than_draws_use_the_draws_diagonal():
+    # a covariance of rank n - 1 < D has no inverse: the Gaussian part is the draws'
+    # diagonal, whose in-sample score is still exact for a diagonal affine generator
+    g = torch.Generator().manual_seed(0)
+    dim, num = 150, 100
+    a = torch.rand(dim, generator=g) + 0.5
+    eps = torch.randn(num, dim, generator=g)
+    s = sample_score(eps * a - 1.0, residual=False)
+    grad = -(s * eps).mean(0)  # the diagonal of mean_j -s(u_j) eps_j^T
+    assert torch.allclose(grad, 1.0 / a, rtol=1e-8)
+    assert torch.isfinite(sample_score(eps * a)).all()

@@ -741,14 +741,15 @@ def _fit_contrast(q, kind):
     n, d = q.shape
     loc = q.mean(0)
     if kind == "moments":
-        # the draws' own maximum-likelihood moments, unshrunk while they determine them
-        # (n > d + 1): then the Gaussian score at the draws is exact for any affine
-        # generator (see stein_score.gaussian_score)
+        # the draws' own maximum-likelihood moments while they determine them (n > d + 1):
+        # the Gaussian score at the draws is then exact for any affine generator
+        # (stein_score.sample_score); beyond, their variances alone (a covariance of rank
+        # n - 1 < d has no inverse, and a d x d factor would cost O(d^3) per step)
         centred = q - loc
-        cov = centred.T @ centred / n
         if d >= n - 1:
-            shrink = min(1.0, d / n)
-            cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
+            sd = centred.pow(2).mean(0).sqrt().clamp(min=1e-12)
+            return torch.distributions.Independent(torch.distributions.Normal(loc, sd), 1)
+        cov = centred.T @ centred / n
         eye = torch.eye(d, dtype=q.dtype, device=q.device)
         cov = cov + 1e-12 * cov.diagonal().mean() * eye
         return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))

@@ -81,8 +81,8 @@ def sample_score(u, ridge=0.01, kernel=None, residual=True):
     r""":math:`\nabla_u \log q` at q's own draws ``u``, estimated from the draws alone: the
     Gaussian of their maximum-likelihood moments (exact at the draws for an affine
     generator) plus, with ``residual``, :func:`stein_residual_score` in the coordinates
-    that whiten them. Moments are shrunk towards their diagonal only where the draws cannot
-    determine them (:math:`n \le D + 1`).
+    that whiten them. Where the draws cannot determine a covariance (:math:`n \le D + 1`)
+    the Gaussian is their diagonal.
 
     :param torch.Tensor u: ``(n, D)`` draws.
     :return: ``(n, D)`` estimated scores, in float64.
@@ -96,6 +96,8 @@ def sample_score(u, ridge=0.01, kernel=None, residual=True):
     if residual:
         s_y = s_y + stein_residual_score(y, ridge, kernel)[0]
     # s_u = C^{-T} s_y for y = C^{-1} (u - mu)
+    if isinstance(gauss, torch.distributions.Independent):  # beyond n - 1 dimensions
+        return s_y / gauss.base_dist.scale
     return torch.linalg.solve_triangular(gauss.scale_tril.T, s_y.T, upper=True).T
 
 
@@ -123,10 +125,10 @@ class SteinScoreELBO(KernelRatioELBO):
     (``benchmarks/results/stein_score.md``) it never diverged where the kernel ratio's
     fits ran away, and its sd ratios stay near 1 on the near-Gaussian posteriors. Its
     limits: the Gaussian part is exact only with more draws than dimensions per group
-    (``num_particles > D + 1``; beyond, the moments are shrunk and the estimate is biased:
-    use ``per_site`` guides or more particles), and the residual, like every kernel
-    estimate from ~100 draws, sees only coarse non-Gaussian shape (a funnel's neck is out
-    of its reach).
+    (``num_particles > D + 1``; beyond, it is the draws' diagonal Gaussian and the estimate
+    misses q's correlations: use ``per_site`` guides or more particles), and the residual,
+    like every kernel estimate from ~100 draws, sees only coarse non-Gaussian shape (a
+    funnel's neck is out of its reach).
 
     **The returned loss** is ``-``:math:`\hat{\mathcal L}` with the Gaussian entropy of the
     draws in place of q's: an upper bound on the entropy, so the value is optimistic; use it
