@@ -288,9 +288,10 @@ def _subsampled_regression(x, y, subsample_size=None):
 
 @pytest.mark.parametrize("loss_cls", [GPVI_ELBO, AmortizedSVGD_ELBO])
 def test_traced_score_path_gives_the_eager_numbers(loss_cls):
-    """After the first step the functional-gradient losses score the draws with the traced
-    graph of the log-density instead of a Pyro trace of the model: the same losses and the
-    same fit, step for step (a subsampled model: the same minibatches too)."""
+    """After the first step the functional-gradient losses draw the guide directly and
+    score the draws with the traced graph of the log-density instead of Pyro traces of the
+    guide and the model: the same losses and the same fit, step for step (a subsampled
+    model: the same minibatches too)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 2, generator=g)
     y = (x * torch.tensor([1.0, -0.5])).sum(-1) + 0.5 * torch.randn(40, generator=g)
@@ -306,5 +307,7 @@ def test_traced_score_path_gives_the_eager_numbers(loss_cls):
         runs.append((losses, guide.sample_posterior(20)["w"], elbo))
     (eager, draws_eager, _), (traced, draws_traced, elbo) = runs
     assert len(elbo._spaces) == 1 and next(iter(elbo._spaces.values())).compiled.active
+    # the guide is drawn directly too (no Pyro trace of it) and still gives these numbers
+    assert list(elbo._direct.values()) == [True]
     assert eager == pytest.approx(traced, rel=1e-10, abs=1e-10)
     assert torch.allclose(draws_eager, draws_traced, atol=1e-10)

@@ -13,7 +13,6 @@ from ..errors import PairingError
 from ..guides.base import ImplicitAutoGuide
 from ..kernels import squared_distances
 from ..latent import preconditioner_of
-from .base import packed_particles
 from .functional_gradient import _FunctionalGradientELBO
 
 __all__ = ["AmortizedSVGD_ELBO"]
@@ -67,12 +66,12 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
                 f"{type(guide).__name__} is not a packed guide. {self._pairing_hint()}"
             )
 
-    def _direction(self, guide, guide_trace, site, score, scale):
-        n, mpn = self.num_particles, self.max_plate_nesting
+    def _direction(self, guide, draws, score, scale):
+        n = self.num_particles
         pre = preconditioner_of(guide)
         # in the preconditioner's whitened coordinates (identity for an unpreconditioned
         # guide): the kernel's one bandwidth then suits every direction
-        rows = pre.whiten(packed_particles(site["value"], n, mpn))
+        rows = pre.whiten(draws.latent)
         u_score = rows.detach()
         if self.independent_batches:
             outputs = pre.whiten(guide.sample_unconstrained(n))

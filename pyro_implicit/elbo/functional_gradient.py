@@ -15,6 +15,23 @@ from .base import ImplicitELBO, implicit_guide_sites, packed_particles
 __all__ = []
 
 
+class _Draws:
+    """One step's draws of the guide: ``latent``, the ``(N, D)`` packed rows (with the
+    autograd graph to the sampler), and ``noise``, the ``(N, noise_dim)`` noise they came
+    from (read when first asked for: from the guide's trace, or given)."""
+
+    def __init__(self, latent, noise=None, read_noise=None):
+        self.latent = latent
+        self._noise = noise
+        self._read_noise = read_noise
+
+    @property
+    def noise(self):
+        if self._noise is None:
+            self._noise = self._read_noise()
+        return self._noise
+
+
 class _FunctionalGradientELBO(ImplicitELBO):
     """Shared machinery: one vectorised trace of N particles u' = f(z') scored under the
     model, a direction G for N generator outputs u = f(z), and the surrogate
@@ -38,6 +55,9 @@ class _FunctionalGradientELBO(ImplicitELBO):
         #: trace of the model; ``None``: always trace
         self.compile = compile or None
         self._spaces = {}
+        #: (id(model), id(guide)) -> whether the traced path may draw the guide directly
+        #: (without a Pyro trace of it: it is the whole guide and its site is unscaled)
+        self._direct = {}
         self.kernel = (
             RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
             if kernel is None
@@ -88,9 +108,12 @@ class _FunctionalGradientELBO(ImplicitELBO):
             return loss.item()
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
-        space = self._spaces.get((id(model), id(guide)))
+        key = (id(model), id(guide))
+        space = self._spaces.get(key)
         if space is not None and space.compiled.active:
-            out = self._traced_loss_and_surrogate(space, guide, args, kwargs)
+            out = self._traced_loss_and_surrogate(
+                space, guide, args, kwargs, direct=self._direct.get(key, False)
+            )
             if out is not None:
                 return out
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
@@ -118,7 +141,11 @@ class _FunctionalGradientELBO(ImplicitELBO):
         score = preconditioner_of(guide_obj).whiten_score(packed_particles(latent_score, n, mpn))
         scale = site["scale"]
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
-        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
+        draws = _Draws(
+            packed_particles(latent, n, mpn),
+            read_noise=lambda: self._noise_rows(guide_obj, guide_trace),
+        )
+        direction, outputs = self._direction(guide_obj, draws, score, scale)
         # eq. (4): d/dtheta mean_b <G_b, f(z_b)> = E_z[(df/dtheta)^T G]
         surrogate = (direction.detach() * outputs).sum(-1).mean()
         if model_params:
@@ -129,41 +156,59 @@ class _FunctionalGradientELBO(ImplicitELBO):
             surrogate = surrogate - (log_target.mean() - through_draws)
         self.diagnostics["log_target"] = log_target.mean().item()
         if self.compile and not model_params and (id(model), id(guide)) not in self._spaces:
-            # checked and validated once by the step above: later steps may use the graph
+            # checked and validated once by the step above: later steps may use the graph,
+            # and draw the guide directly when it is the whole guide, unscaled
             space = LatentSpace.from_guide(guide_obj, args, kwargs, mpn - 1)
             self._spaces[(id(model), id(guide))] = space.compile(self.compile)
+            self._direct[(id(model), id(guide))] = guide_obj is guide and scale == 1.0
         return -log_target.detach().mean(), surrogate
 
-    def _traced_loss_and_surrogate(self, space, guide, args, kwargs):
+    def _traced_loss_and_surrogate(self, space, guide, args, kwargs, direct=False):
         """The step above without a Pyro trace of the model: the guide's draws are scored by
-        the traced graph of the log-density (one minibatch where the model subsamples, as a
-        model trace would give). ``None`` when the graph is unavailable (the caller then
-        traces the model)."""
+        the traced graph of the log-density (one minibatch where the model subsamples, as
+        a model trace would give). Where the guide is the whole guide and unscaled, it is
+        drawn directly too (its noise, then its sampler: the random stream is consumed as
+        its trace would). ``None`` when the graph is unavailable or a draw is not finite
+        (the caller then traces, and names the sites if the fit has diverged)."""
         n, mpn = self.num_particles, self.max_plate_nesting
-        # as the traced-model path does: a failure at non-finite draws names the sites
-        guide_trace = self._run_traced(
-            self._vectorized_num_particles(guide), args, kwargs, "the guide"
-        )
-        sites = implicit_guide_sites(guide_trace)
-        site = sites[0]
-        guide_obj = implicit_site_info(site)["guide"]
-        latent = packed_particles(site["value"], n, mpn)
-        if not bool(torch.isfinite(latent).all()):
+        if direct:
+            guide._sync_param_store()
+            ref = guide._noise_reference
+            with guide._pyro_context:  # registers the sampler's parameters, as a call would
+                noise = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
+                latent = guide.preconditioner.unwhiten(guide._latent_from_noise(noise))
+            draws, guide_obj, scale = _Draws(latent, noise=noise), guide, 1.0
+            self._last_traces = None
+        else:
+            # as the traced-model path does: a failure at non-finite draws names the sites
+            guide_trace = self._run_traced(
+                self._vectorized_num_particles(guide), args, kwargs, "the guide"
+            )
+            site = implicit_guide_sites(guide_trace)[0]
+            guide_obj = implicit_site_info(site)["guide"]
+            draws = _Draws(
+                packed_particles(site["value"], n, mpn),
+                read_noise=lambda: self._noise_rows(guide_obj, guide_trace),
+            )
+            scale = site["scale"]
+            scale = scale.item() if torch.is_tensor(scale) else float(scale)
+            self._last_traces = (None, guide_trace)  # for the divergence check's message
+        latent = draws.latent
+        limit = self.max_abs_draw if self.max_abs_draw is not None else float("inf")
+        if not bool(torch.isfinite(latent).all()) or latent.detach().abs().max() > limit:
             return None  # the traced-model path stops it with a DivergenceError naming sites
         out = space.score(latent.detach(), args, kwargs, full_data=False)
         if out is None:
             return None
         log_target, latent_score = out
-        self._last_traces = (None, guide_trace)  # for the divergence check's message
         score = preconditioner_of(guide_obj).whiten_score(latent_score)
-        scale = site["scale"]
-        scale = scale.item() if torch.is_tensor(scale) else float(scale)
-        direction, outputs = self._direction(guide_obj, guide_trace, site, score, scale)
+        direction, outputs = self._direction(guide_obj, draws, score, scale)
         surrogate = (direction.detach() * outputs).sum(-1).mean()
         self.diagnostics["log_target"] = log_target.mean().item()
         return -log_target.mean(), surrogate
 
-    def _direction(self, guide, guide_trace, site, score, scale):
+    def _direction(self, guide, draws, score, scale):
+        """``(direction, outputs)`` for the step's :class:`_Draws` and their whitened score."""
         raise NotImplementedError
 
     def _noise_rows(self, guide, guide_trace):

@@ -319,9 +319,9 @@ class GPVI_ELBO(_FunctionalGradientELBO):
             return self.helper(rows[:, :k], vectors).reshape(v.shape)
 
     # -------------------------------------------------------------- direction
-    def _direction(self, guide, guide_trace, site, score, scale):
+    def _direction(self, guide, draws, score, scale):
         gen = guide.generator
-        z_score = self._noise_rows(guide, guide_trace)
+        z_score = draws.noise.detach()
         n = self.num_particles
         if self.independent_batches:
             z = torch.randn_like(z_score)
