@@ -152,3 +152,201 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
     straight = _fit_steps(0, 12)
     for name in straight:
         assert torch.allclose(resumed[name], straight[name], rtol=1e-9, atol=1e-10), name
+
+
+# ---------------------------------------------------------------- particle layouts
+# WeightSpaceSVGD across two ranks: "replicated" (all particles on each rank, each rank on
+# half of every global minibatch) and "sharded" (half of the particles on each rank, the
+# whole minibatch on each), against one process with all particles on the whole minibatch.
+
+PARTICLES, SVGD_STEPS = 8, 8
+
+
+def svgd_model(x, y, subsample):
+    """Vectorised over a particle plate; a model parameter in the prior and one in the
+    likelihood (their gradients are combined across ranks too)."""
+    prior_scale = pyro.param("prior_scale", torch.tensor(1.0), constraint=dist.constraints.positive)
+    noise = pyro.param("noise", torch.tensor(0.5), constraint=dist.constraints.positive)
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), prior_scale).to_event(1))
+    with pyro.plate("data", N, subsample=subsample) as i:
+        pyro.sample("obs", dist.Normal((x[i] * w).sum(-1), noise), obs=y[i])
+
+
+def _spawn(fn, args):
+    """``fn(rank, 2, store, *args)`` on two gloo processes (one retry if a gloo worker
+    aborts at exit, as in test_two_processes_match_one)."""
+    for attempt in range(2):
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        try:
+            mp.spawn(fn, args=(2, store) + tuple(args), nprocs=2)
+            return
+        except mp.ProcessExitedException:
+            if attempt:
+                raise
+
+
+def _init(rank, world, store):
+    # a collective that waits longer than this fails instead of hanging the test
+    from datetime import timedelta
+
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                             world_size=world, timeout=timedelta(seconds=30))
+
+
+def _fit_svgd(layout, method):
+    """SVGD_STEPS steps of WeightSpaceSVGD; all particles and the model parameters at
+    the end."""
+    from pyro_implicit.distributed import gather_named_particles
+    from pyro_implicit.particles import WeightSpaceSVGD
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    svgd = WeightSpaceSVGD(svgd_model, pyro.optim.Adam({"lr": 0.05}), PARTICLES,
+                           max_plate_nesting=1, method=method, precondition=False,
+                           layout=layout)
+    shard = rank_shard if layout == "replicated" else (lambda batch: batch)
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(SVGD_STEPS):
+        batch = torch.randperm(N, generator=batches)[:GLOBAL_BATCH]
+        svgd.step(x, y, shard(batch))
+    out = gather_named_particles(svgd)
+    out.update({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+    return out
+
+
+#: (layout, method) runs compared with one process: w-SGLD's row sums and GFSF's solve need
+#: the whole kernel, gathered in the sharded layout
+SVGD_RUNS = [("replicated", "svgd"), ("sharded", "svgd"), ("sharded", "wsgld"),
+             ("sharded", "gfsf")]
+
+
+def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
+    """After SVGD_STEPS steps the particles (all of them) and the model's parameters of
+    two ranks are those of one process on the same global minibatches (float64
+    rounding): the averaged scores with the prior counted once, the gathered particles
+    and kernel blocks, the shared initial particles and the combined parameter
+    gradients."""
+    fits, _ = two_rank_svgd
+    assert list(fits) == SVGD_RUNS
+    for (layout, method), distributed in fits.items():
+        single = _fit_svgd(None, method)
+        assert distributed.keys() == single.keys() == {"w", "prior_scale", "noise"}
+        assert distributed["w"].shape == (PARTICLES, 2)
+        for name in single:
+            assert torch.allclose(distributed[name], single[name], rtol=1e-9, atol=1e-10), (
+                layout, method, name)
+
+
+def local_latent_model(x, y, subsample):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample=subsample) as i:
+        shift = pyro.sample("shift", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal((x[i] * w).sum(-1) + shift, 0.3), obs=y[i])
+
+
+def failing_model(x, y, subsample):
+    """Raises where ``_fail`` is set (on rank 1 only, after two good steps)."""
+    if _fail:
+        raise ValueError("rank 1's model fails")
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample=subsample) as i:
+        pyro.sample("obs", dist.Normal((x[i] * w).sum(-1), 0.3), obs=y[i])
+
+
+_fail = False
+
+
+def _fail_on_rank_1(x, y, batch, good_steps):
+    from pyro_implicit.particles import WeightSpaceSVGD
+
+    global _fail
+    _fail = False
+    svgd = WeightSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4,
+                           max_plate_nesting=1, precondition=False, compile=False,
+                           layout="sharded")
+    svgd.run(good_steps, x, y, batch)
+    _fail = tdist.get_rank() == 1
+    svgd.step(x, y, batch)
+
+
+def rank_dependent_model(x, y, subsample):
+    """A latent whose size depends on the rank (as a local latent of data sharded by
+    hand would)."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(2 + tdist.get_rank()), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample=subsample) as i:
+        pyro.sample("obs", dist.Normal((x[i] * w[..., :2]).sum(-1), 0.3), obs=y[i])
+
+
+def _svgd_rank(rank, world, store, out):
+    """Every SVGD_RUNS fit, then every error case; rank r saves ``(fits, errors)`` to
+    ``out.r`` (rank 0's fits only)."""
+    from pyro_implicit.particles import WeightSpaceSVGD
+
+    _init(rank, world, store)
+    torch.set_default_dtype(torch.float64)
+    caught = {}
+    x, y = _data()
+    batch = torch.arange(GLOBAL_BATCH)
+    cases = {
+        # 2 ranks cannot share 5 particles evenly
+        "divide": lambda: WeightSpaceSVGD(svgd_model, pyro.optim.Adam({"lr": 0.05}), 5,
+                                          max_plate_nesting=1, layout="sharded"),
+        # a local latent in the sharded data plate
+        "local": lambda: WeightSpaceSVGD(
+            local_latent_model, pyro.optim.Adam({"lr": 0.05}), 4, max_plate_nesting=1,
+            precondition=False, layout="replicated").step(x, y, rank_shard(batch)),
+        # latent spaces that differ between the ranks
+        "differ": lambda: WeightSpaceSVGD(
+            rank_dependent_model, pyro.optim.Adam({"lr": 0.05}), 4, max_plate_nesting=1,
+            precondition=False, layout="replicated").step(x, y, rank_shard(batch)),
+        # the model raises on rank 1 only: in the set-up, and on the third step
+        "one rank, set-up": lambda: _fail_on_rank_1(x, y, batch, 0),
+        "one rank": lambda: _fail_on_rank_1(x, y, batch, 2),
+    }
+    try:
+        fits = {run: _fit_svgd(*run) for run in SVGD_RUNS}
+        for name, case in cases.items():
+            pyro.clear_param_store()
+            try:
+                case()
+                caught[name] = None
+            except Exception as e:  # noqa: BLE001 - what each rank raised is the test
+                caught[name] = (type(e).__name__, str(e), getattr(e, "__notes__", []))
+        torch.save((fits if rank == 0 else None, caught), f"{out}.{rank}")
+        tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_svgd(tmp_path_factory):
+    """One two-rank run (a spawn costs seconds) for the particle-layout tests: rank 0's
+    fits, and what each rank raised."""
+    out = tmp_path_factory.mktemp("svgd") / "result"
+    _spawn(_svgd_rank, (str(out),))
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    return ranks[0][0], [caught for _, caught in ranks]
+
+
+def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):
+    """A world size that does not divide the particles (sharded), a local latent in the
+    sharded data plate (replicated), latent spaces that differ between ranks and a model
+    failing on one rank only: every rank raises, none waits in a collective (whose
+    timeout would then fail the run)."""
+    _, ranks = two_rank_svgd
+    for caught in ranks:
+        kind, message, _ = caught["divide"]
+        assert kind == "ValueError" and "multiple of the world size" in message
+        kind, message, _ = caught["local"]
+        assert kind == "NotImplementedError" and "'shift'" in message
+        assert "subsampled plate 'data'" in message
+        kind, message, _ = caught["differ"]
+        assert kind == "ValueError" and "different latent spaces" in message
+        for case in ("one rank, set-up", "one rank"):
+            kind, message, _ = caught[case]
+            assert kind == "ValueError" and "rank 1's model fails" in message, case
+            # rank 0 raises rank 1's error, and says so
+            assert "rank 1 of 2" in " ".join(ranks[0][case][2]), case

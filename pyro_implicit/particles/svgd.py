@@ -83,9 +83,10 @@ SteinDirection.__doc__ = """An ascent direction ``direction = drive + repulsion`
 kernel gradients; ``bandwidth`` is the kernel bandwidth used (a 0-dim tensor)."""
 
 
-def _pairwise_weighted(z, w):
-    """:math:`\\sum_j w_{ij} (z_i - z_j)` for all ``i`` as two matrix products."""
-    return z * w.sum(-1, keepdim=True) - w @ z
+def _pairwise_weighted(z, w, z_all=None):
+    """:math:`\\sum_j w_{ij} (z_i - z_j)` for the rows ``i`` of ``z`` as two matrix
+    products, ``j`` over the rows of ``z_all`` (default ``z``)."""
+    return z * w.sum(-1, keepdim=True) - w @ (z if z_all is None else z_all)
 
 
 def _pyro_kernel_terms(kernel, z):
@@ -98,7 +99,7 @@ def _pyro_kernel_terms(kernel, z):
     return k, repulsion, z.new_tensor(float("nan"))
 
 
-def stein_direction(particles, score, kernel, method="svgd"):
+def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=None):
     r"""Particle update direction of a POVI method (f-POVI, Table 1), as an ascent direction
     :math:`\phi_i = -v(z_i)`; the particles move by :math:`z_i \leftarrow z_i + \epsilon
     \phi_i`.
@@ -119,6 +120,17 @@ def stein_direction(particles, score, kernel, method="svgd"):
     translation invariant): identical particles then give exactly zero repulsion instead of
     rounding error divided by a vanishing bandwidth.
 
+    **A block of rows** (particles sharded across processes,
+    :class:`~pyro_implicit.distributed.ParticleLayout`): with ``rows`` (a slice of
+    ``0..N-1``) only the directions of those particles are computed, from their
+    ``(len(rows), N)`` kernel block against all ``N`` particles; ``gather`` turns such a
+    row block of squared distances (or of GFSF's repulsion) into the full ``(N, ...)``
+    tensor, the blocks of all ranks in row order (an all-gather). The full ``(N, N)``
+    squared distances are needed for the median bandwidth (not for a fixed one with
+    ``"svgd"``), the row sums :math:`S` of w-SGLD and pi-SGLD and GFSF's solve; no
+    ``(N, N, D)`` tensor is ever formed. Without ``gather`` the full distances are computed
+    here.
+
     :param torch.Tensor particles: ``(N, D)`` particles (no gradient is taken).
     :param torch.Tensor score: ``(N, D)`` :math:`\nabla \log p` at the particles.
     :param kernel: a :class:`~pyro_implicit.kernels.RBFKernel` or
@@ -127,7 +139,9 @@ def stein_direction(particles, score, kernel, method="svgd"):
         ``derivative_wrt_squared_distance`` methods), or a ``pyro.infer.SteinKernel``
         (``"svgd"`` only, multivariate, :math:`O(N^2 D)` memory; for comparisons).
     :param str method: one of :data:`METHODS`.
-    :rtype: SteinDirection
+    :param slice rows: the particles whose directions are wanted (default: all).
+    :param callable gather: ``(len(rows), ...) -> (N, ...)``, see above.
+    :rtype: SteinDirection (of ``len(rows)`` rows)
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -141,30 +155,57 @@ def stein_direction(particles, score, kernel, method="svgd"):
     n = z.shape[0]
     z = z - z[:1]
     if isinstance(kernel, SteinKernel):
-        if method != "svgd":
-            raise ValueError(f"a pyro SteinKernel supports method='svgd' only, got {method!r}")
+        if method != "svgd" or rows is not None:
+            raise ValueError(
+                f"a pyro SteinKernel supports method='svgd' on all rows only, got {method!r}"
+            )
         k, repulsion, bandwidth = _pyro_kernel_terms(kernel, z)
         return SteinDirection((k @ g + repulsion) / n, k @ g / n, repulsion / n, bandwidth)
-    if method == "svgd":
+    if method == "svgd" and rows is None:
         k, repulsion, bandwidth = kernel.stein_terms(z)
         drive, rep = k @ g / n, repulsion / n
         return SteinDirection(drive + rep, drive, rep, bandwidth)
-    d2 = squared_distances(z)
+    # the rows' block of the kernel; one process: the block is the whole matrix
+    z_rows, g_rows = (z, g) if rows is None else (z[rows], g[rows])
+    d2_rows = squared_distances(z_rows, None if rows is None else z)
+    if rows is None:
+        d2 = d2_rows
+    elif method == "svgd" and getattr(kernel, "fixed_bandwidth", None) is not None:
+        d2 = d2_rows  # a fixed bandwidth ignores the distances: nothing to gather
+    else:
+        d2 = squared_distances(z) if gather is None else gather(d2_rows)
     bandwidth = kernel.bandwidth_from_squared_distances(d2)
-    k = kernel.from_squared_distances(d2, bandwidth)
+    k_rows = kernel.from_squared_distances(d2_rows, bandwidth)
+    k = k_rows if rows is None else None  # the full matrix, built only where needed
     # grad_{z_i} k(z_i, z_j) = -a_ij (z_i - z_j) with a_ij >= 0 for a stationary kernel
-    a = -2.0 * kernel.derivative_wrt_squared_distance(d2, bandwidth)
-    repulsion = _pairwise_weighted(z, a)
+    a = -2.0 * kernel.derivative_wrt_squared_distance(d2_rows, bandwidth)
+    repulsion = _pairwise_weighted(z_rows, a, z)
+    if method == "svgd":
+        drive, rep = k_rows @ g / n, repulsion / n
+        return SteinDirection(drive + rep, drive, rep, bandwidth)
+    if k is None:
+        k = kernel.from_squared_distances(d2, bandwidth)
     if method == "gfsf":
         eye = torch.eye(n, dtype=k.dtype, device=k.device)
         chol = torch.linalg.cholesky(k + GFSF_JITTER.get(k.dtype, 1e-3) * eye)
-        rep = torch.cholesky_solve(repulsion, chol)
-        return SteinDirection(g + rep, g, rep, bandwidth)
+        if rows is None:
+            rep = torch.cholesky_solve(repulsion, chol)
+        else:
+            # the rows of the symmetric inverse, times every particle's repulsion
+            inverse_rows = torch.cholesky_solve(eye[:, rows], chol).T
+            if gather is None:
+                a_full = -2.0 * kernel.derivative_wrt_squared_distance(d2, bandwidth)
+                full = _pairwise_weighted(z, a_full)
+            else:
+                full = gather(repulsion)
+            rep = inverse_rows @ full
+        return SteinDirection(g_rows + rep, g_rows, rep, bandwidth)
     s = k.sum(-1)  # a constant of the update (stop-gradient in the authors' code)
-    rep = _pairwise_weighted(z, a / s) + repulsion / s.unsqueeze(-1)
-    drive = g
+    s_rows = s if rows is None else s[rows]
+    rep = _pairwise_weighted(z_rows, a / s, z) + repulsion / s_rows.unsqueeze(-1)
+    drive = g_rows
     if method == "pisgld":
-        drive = 0.5 * (drive + k @ g / n)
+        drive = 0.5 * (drive + k_rows @ g / n)
         rep = 0.5 * (rep + repulsion / n)
     return SteinDirection(drive + rep, drive, rep, bandwidth)
 
@@ -241,6 +282,16 @@ class ParticleInference:
         particle the same log-density under the particle plate as alone
         (:func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`, as the losses do),
         so that a model that mixes particles raises instead of giving a wrong posterior.
+    :param str layout: run across the processes of ``group`` (``torch.distributed`` must be
+        initialised first, e.g. under ``torchrun``): ``"replicated"`` (every rank holds
+        all N particles and scores them on its shard of the data) or ``"sharded"`` (every
+        rank holds N / world size of the particles and scores them on all of the step's
+        data); see :class:`~pyro_implicit.distributed.ParticleLayout`. ``None``
+        (default): one process. With ``"sharded"``, :attr:`num_particles` and
+        :attr:`particles` are this rank's (``N / world size`` rows);
+        :func:`~pyro_implicit.distributed.gather_named_particles` collects all N.
+    :param group: the ``torch.distributed`` process group of ``layout`` (default: all
+        ranks).
 
     Parameters of the model itself (``pyro.param`` calls in the model) are trained along
     with the particles by the same optimiser, on the gradient of the particles' mean
@@ -263,6 +314,8 @@ class ParticleInference:
         init_particles=None,
         precondition=False,
         check_vectorization=True,
+        layout=None,
+        group=None,
     ):
         if not callable(model):
             raise TypeError("model must be a callable Pyro model")
@@ -294,6 +347,17 @@ class ParticleInference:
                 kernel = RBFKernel()
         self.kernel = kernel
         self.method = method
+        #: the :class:`~pyro_implicit.distributed.ParticleLayout` across processes, or
+        #: ``None`` (one process)
+        self.distributed = None
+        if layout is not None:
+            from ..distributed import ParticleLayout
+
+            # after the kernel: its bandwidth rule counts all N particles
+            self.distributed = ParticleLayout(layout, self.num_particles, optim, group)
+            self.num_particles = self.distributed.num_local
+        elif group is not None:
+            raise ValueError("group= needs layout='replicated' or layout='sharded'")
         self._init_particles = init_particles
         self._precondition = precondition
         self.check_vectorization = bool(check_vectorization)
@@ -315,6 +379,21 @@ class ParticleInference:
     def _setup(self, args, kwargs):
         if self._sites is not None:
             return
+        if self.distributed is None:
+            self._setup_space(args, kwargs)
+            init = self._initial_particles(args, kwargs, self.space.dtype)
+        else:
+            # the same steps, agreed across the ranks (see ParticleLayout.setup)
+            init = self.distributed.setup(self, args, kwargs)
+        self.particles = init.detach().clone().requires_grad_(True)
+        self.param_names = _param_names(self.model, args, kwargs)
+        if self.distributed is not None:
+            self.distributed.broadcast_parameters(self.model_parameters())
+        if not isinstance(self.optim, PyroOptim):
+            self._torch_optim = self.optim([self.particles] + self.model_parameters())
+
+    def _setup_space(self, args, kwargs):
+        """The latent space, the vectorisation check and the preconditioner."""
         if self.max_plate_nesting is None:
             self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
         searching = self._precondition is True
@@ -342,7 +421,6 @@ class ParticleInference:
             )
         self._sites = self.space.sites
         self.latent_dim = self.space.latent_dim
-        dtype = self.space.dtype
         init_loc = proto._init_loc().detach()
         # before the preconditioner's search, which would run on a model that mixes
         # particles too
@@ -352,11 +430,6 @@ class ParticleInference:
                 self.preconditioner = resolve_precondition(
                     self._precondition, self.space, init_loc, args, kwargs
                 )
-        init = self._initial_particles(args, kwargs, dtype)
-        self.particles = init.detach().clone().requires_grad_(True)
-        self.param_names = _param_names(self.model, args, kwargs)
-        if not isinstance(self.optim, PyroOptim):
-            self._torch_optim = self.optim([self.particles] + self.model_parameters())
 
     def _initial_particles(self, args, kwargs, dtype):
         """The optimised tensor's start: whitened when there is a preconditioner."""
@@ -624,6 +697,19 @@ class WeightSpaceSVGD(ParticleInference):
     coordinates, where one isotropic bandwidth and one learning rate suit every direction
     (``precondition=False``: the raw packed space, as ``pyro.infer.SVGD``).
 
+    Across processes (``torchrun``), ``layout="replicated"`` shards the data and keeps
+    every particle on every rank, ``layout="sharded"`` shards the particles and keeps the
+    data; R ranks then end where one process ends, to rounding
+    (:class:`~pyro_implicit.distributed.ParticleLayout`)::
+
+        dist.init_process_group("gloo")             # "nccl" on GPUs
+        pyro.set_rng_seed(0)                        # the same seed on every rank
+        svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), num_particles=64,
+                               layout="sharded")    # 64 / world size particles per rank
+        for batch in global_batches:                # the same on every rank
+            svgd.step(x, y, batch)                  # "replicated": rank_shard(batch)
+        particles = gather_named_particles(svgd)    # all 64, on every rank
+
     See :class:`ParticleInference` for the arguments.
     """
 
@@ -639,6 +725,8 @@ class WeightSpaceSVGD(ParticleInference):
         precondition=True,
         check_vectorization=True,
         compile="fx",
+        layout=None,
+        group=None,
     ):
         super().__init__(
             model,
@@ -650,13 +738,16 @@ class WeightSpaceSVGD(ParticleInference):
             init_particles,
             precondition,
             check_vectorization,
+            layout,
+            group,
         )
         if compile not in (None, False) and compile not in BACKENDS:
             raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
         self.compile = compile or None
 
     def step(self, *args, **kwargs):
-        """One SVGD update of all particles.
+        """One SVGD update of all particles (with ``layout="sharded"``: of this rank's
+        particles, from their interaction with all N).
 
         :return: ``{"attractive", "repulsive"}`` (mean per-particle norms of the score part
             and the kernel-gradient part of the direction), ``"bandwidth"`` (the kernel's
@@ -665,7 +756,38 @@ class WeightSpaceSVGD(ParticleInference):
         """
         first = self._sites is None
         self._setup(args, kwargs)
-        self._check_finite()
+        if self.distributed is None:
+            self._check_finite()
+            log_joint, score, param_grads = self._scores(args, kwargs, first)
+            particles, block = self.particles, {}
+        else:
+            # every rank scores its particles on its data; the ranks then agree on the
+            # (averaged or gathered) scores, or all raise the first rank's error
+            particles, log_joint, score, param_grads = self.distributed.exchange(
+                self, lambda: (self._check_finite(), self._scores(args, kwargs, first))[1]
+            )
+            block = self.distributed.block
+        if not math.isfinite(log_joint.detach().sum().item()):
+            bad = torch.nonzero(~torch.isfinite(log_joint.detach())).flatten().tolist()
+            raise DivergenceError(
+                f"{type(self).__name__}: the log-joint of particle(s) {bad[:10]} is not "
+                f"finite. {DIVERGENCE_ADVICE}"
+            )
+        d = stein_direction(particles, score, self.kernel, self.method, **block)
+        # the model's parameters descend minus the particles' mean log-joint (all N of them)
+        n = particles.shape[0]
+        self._apply(d.direction, [None if g is None else -g / n for g in param_grads])
+        return {
+            "attractive": self._norm(d.drive),
+            "repulsive": self._norm(d.repulsion),
+            "bandwidth": d.bandwidth.item(),
+            "log_joint": log_joint.detach().mean().item(),
+        }
+
+    def _scores(self, args, kwargs, first):
+        """``(log_joint, score, param_grads)`` of this process's particles: ``(N,)``,
+        ``(N, D)`` (in the particles' coordinates) and the sums over particles of the
+        gradients of the model's parameters (``[]`` without any)."""
         with torch.enable_grad():
             # with a preconditioner the particles are z and the score below is
             # L^T grad_u by the chain rule: the update acts in whitened coordinates
@@ -680,26 +802,10 @@ class WeightSpaceSVGD(ParticleInference):
                 # the traced score (the model's Python runs once per input signature);
                 # by the chain rule the whitened particles' score is L^T grad_u
                 log_joint, score_u = self.space.score(u.detach(), args, kwargs, full_data=False)
-                score, param_grads = self.preconditioner.whiten_score(score_u), []
-            else:
-                # one minibatch estimate when the model subsamples: SVGD is stochastic
-                log_joint = self.space.log_density(u, args, kwargs, full_data=False)
-                score, *param_grads = torch.autograd.grad(
-                    log_joint.sum(), [self.particles] + params, allow_unused=True
-                )
-        if not math.isfinite(log_joint.detach().sum().item()):
-            bad = torch.nonzero(~torch.isfinite(log_joint.detach())).flatten().tolist()
-            raise DivergenceError(
-                f"{type(self).__name__}: the log-joint of particle(s) {bad[:10]} is not "
-                f"finite. {DIVERGENCE_ADVICE}"
+                return log_joint, self.preconditioner.whiten_score(score_u), []
+            # one minibatch estimate when the model subsamples: SVGD is stochastic
+            log_joint = self.space.log_density(u, args, kwargs, full_data=False)
+            score, *param_grads = torch.autograd.grad(
+                log_joint.sum(), [self.particles] + params, allow_unused=True
             )
-        d = stein_direction(self.particles, score, self.kernel, self.method)
-        # the model's parameters descend minus the particles' mean log-joint
-        n = self.num_particles
-        self._apply(d.direction, [None if g is None else -g / n for g in param_grads])
-        return {
-            "attractive": self._norm(d.drive),
-            "repulsive": self._norm(d.repulsion),
-            "bandwidth": d.bandwidth.item(),
-            "log_joint": log_joint.detach().mean().item(),
-        }
+        return log_joint, score, param_grads
