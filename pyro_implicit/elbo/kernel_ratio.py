@@ -755,8 +755,14 @@ def _fit_contrast(q, kind):
         return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))
     if kind == "full" and d > 1:
         centred = q - loc
-        cov = centred.T @ centred / (n - 1)
         shrink = min(1.0, d / n)
+        if shrink == 1.0:
+            # shrunk all the way to its diagonal (d >= n): the same Gaussian without a
+            # d x d factor (a BNN's D = 753 cost 0.3 s per step that way)
+            var = centred.pow(2).sum(0) / (n - 1)
+            sd = (var + 1e-10 * var.mean()).sqrt()
+            return torch.distributions.Independent(torch.distributions.Normal(loc, sd), 1)
+        cov = centred.T @ centred / (n - 1)
         cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
         cov = cov + 1e-10 * cov.diagonal().mean() * torch.eye(d, dtype=q.dtype, device=q.device)
         return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))
