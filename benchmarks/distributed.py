@@ -22,10 +22,12 @@ Usage::
     torchrun --standalone --nproc_per_node=2 benchmarks/distributed.py --method wsvgd \\
         --layout sharded --particles 64 --steps 100 --check
 
-(``--backend nccl`` and ``--nnodes`` on GPU clusters, as any torchrun job.)
+(``--backend nccl`` on GPUs: one GPU per process, ``cuda:LOCAL_RANK``, the data moved to it;
+``--nnodes`` across machines, as any torchrun job. The nccl path has not been run yet.)
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,9 +136,13 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     tdist.init_process_group(args.backend)
+    device = torch.device("cpu")
+    if args.backend == "nccl":  # one GPU per process; nccl moves GPU tensors only
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     rank, world = tdist.get_rank(), tdist.get_world_size()
     split = load_uci("boston", 0, dtype=torch.float64)
-    x, y = split.x_train, split.y_train
+    x, y = split.x_train.to(device), split.y_train.to(device)
     if args.method == "svi":
         params, ms = fit(x, y, args.steps, args.batch_size, rank_shard, True, args.seed)
         what = "svi"
@@ -144,8 +150,8 @@ def main(argv=None):
         params, ms = fit_svgd(x, y, args.steps, args.batch_size, args.layout, args.particles,
                               args.seed)
         what = f"wsvgd, {args.layout} layout, {args.particles} particles"
-    times = [torch.zeros(()) for _ in range(world)]
-    tdist.all_gather(times, torch.tensor(ms))
+    times = [torch.zeros((), device=device) for _ in range(world)]
+    tdist.all_gather(times, torch.tensor(ms, device=device))
     tdist.barrier()
     if rank == 0:
         print(f"{what}: {world} process(es), global batch {args.batch_size}, {args.steps} "
