@@ -38,7 +38,8 @@ Checkpoints. Parameters and optimiser states are the same on every rank, so
 
 Particle methods. :class:`~pyro_implicit.particles.WeightSpaceSVGD` runs across ranks
 with ``layout="replicated"`` (all particles on every rank, the data sharded) or
-``layout="sharded"`` (the particles sharded, the data on every rank); see
+``layout="sharded"`` (the particles sharded, the data on every rank);
+:class:`~pyro_implicit.particles.FunctionSpaceSVGD` with ``layout="sharded"``; see
 :class:`ParticleLayout`. They take a plain optimiser: the layout combines the scores and
 the model parameters' gradients itself.
 
@@ -365,44 +366,66 @@ class ParticleLayout:
         dist.broadcast(init, src=self._src(), group=self.group)
         return init[self.rows]
 
-    def exchange(self, inference, score_fn):
-        """Score this rank's particles (``score_fn() -> (log_joint, score, param_grads)``)
-        and combine across the ranks: ``(particles, log_joint, score, param_grads)`` of all
-        N particles (the particles this rank holds for ``"replicated"``, all N gathered for
-        ``"sharded"``), param_grads summed over all N particles. An error raised by
-        ``score_fn`` on any rank is raised on every rank."""
+    def exchange(self, inference, score_fn, width=None):
+        """Score this rank's particles and combine across the ranks.
+
+        ``score_fn() -> (points, log_joint, score, param_grads)``: the kernel's ``(n, M)``
+        inputs for this rank's ``n`` particles (the particles themselves, or their function
+        values), their log-densities ``(n,)``, scores ``(n, M)`` and the sums over them of
+        the model parameters' gradients. Returns the same for all N particles: the
+        replicated layout averages the scores (and parameter gradients) over the ranks,
+        the sharded one gathers the points and scores (and sums the gradients). An error
+        raised by ``score_fn`` on any rank is raised on every rank.
+
+        :param int width: ``M`` when it is known on every rank beforehand (the latent
+            dimension); ``None``: the ranks first agree on it, and on any failure, with one
+            more small ``all_reduce``.
+        """
         particles = inference.particles.detach()
         params = inference.model_parameters()
+        n = len(particles)
         try:
-            log_joint, score, grads = score_fn()
+            points, log_joint, score, grads = score_fn()
             error = None
         except Exception as e:  # noqa: BLE001 - re-raised on every rank
-            error = e
-            log_joint, score, grads = particles.new_zeros(len(particles)), torch.zeros_like(
-                particles), []
+            error, points, grads = e, None, []
+        dtype, device = particles.dtype, particles.device
+        if width is None:
+            m = -1 if points is None else points.shape[-1]
+            header = torch.tensor([float(error is not None), m, -m], dtype=dtype, device=device)
+            dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
+            if header[0] > 0:
+                self.raise_together(error)
+            if header[1] != -header[2]:
+                raise ValueError(
+                    f"the ranks' particles have rows of different sizes ({int(-header[2])} to "
+                    f"{int(header[1])} values): every rank must run the model on the same "
+                    "inputs in the sharded layout"
+                )
+            width = int(header[1])
+        if points is None:  # this rank failed: placeholders until every rank knows
+            points = particles.new_zeros(n, width)
+            log_joint, score = particles.new_zeros(n), particles.new_zeros(n, width)
         grads = list(grads) + [None] * (len(params) - len(grads))
         grads = [
-            torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads,
-                                                                               strict=True)
+            torch.zeros_like(p) if g is None else g.detach()
+            for p, g in zip(params, grads, strict=True)
         ]
         flag = particles.new_tensor([0.0 if error is None else 1.0])
-        score, log_joint = score.detach().to(particles.dtype), log_joint.detach()
+        points = points.detach().to(dtype)
+        score, log_joint = score.detach().to(dtype), log_joint.detach().to(dtype)
         if self.layout == "replicated":
-            parts = [score, log_joint.to(particles.dtype)] + [
-                g.to(particles.dtype) for g in grads] + [flag]
+            parts = [score, log_joint] + [g.to(dtype) for g in grads] + [flag]
             flat = _flatten_dense_tensors(parts)
             dist.all_reduce(flat, group=self.group)
             if flat[-1] > 0:
                 self.raise_together(error)
             flat /= self.world
             score, log_joint, *grads, _ = _unflatten_dense_tensors(flat, parts)
-            return particles, log_joint, score, [
-                g.to(p.dtype) for p, g in zip(params, grads, strict=True)]
-        n, d = particles.shape
-        rows = torch.cat(
-            [particles, score, log_joint.to(particles.dtype).unsqueeze(-1), flag.expand(n, 1)],
-            dim=-1,
-        )
+            grads = [g.to(p.dtype) for p, g in zip(params, grads, strict=True)]
+            return points, log_joint, score, grads
+        m = points.shape[-1]
+        rows = torch.cat([points, score, log_joint.unsqueeze(-1), flag.expand(n, 1)], dim=-1)
         rows = self.gather(rows)
         if bool((rows[:, -1] > 0).any()):
             self.raise_together(error)
@@ -410,7 +433,7 @@ class ParticleLayout:
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.group)
             grads = list(_unflatten_dense_tensors(flat, grads))
-        return rows[:, :d], rows[:, 2 * d], rows[:, d : 2 * d], grads
+        return rows[:, :m], rows[:, 2 * m], rows[:, m : 2 * m], grads
 
 
 def gather_named_particles(inference):

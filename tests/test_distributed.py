@@ -217,27 +217,52 @@ def _fit_svgd(layout, method):
     return out
 
 
-#: (layout, method) runs compared with one process: w-SGLD's row sums and GFSF's solve need
-#: the whole kernel, gathered in the sharded layout
-SVGD_RUNS = [("replicated", "svgd"), ("sharded", "svgd"), ("sharded", "wsgld"),
-             ("sharded", "gfsf")]
+def _fit_fsvgd(layout, method):
+    """SVGD_STEPS steps of FunctionSpaceSVGD on a small BNN (a learnt noise scale, so
+    model-parameter gradients too), random minibatches, extra points and prior draws;
+    all particles and the noise scale at the end."""
+    from pyro_implicit.bnn import BNNRegression
+    from pyro_implicit.distributed import gather_named_particles
+    from pyro_implicit.particles import FunctionSpaceSVGD, KDEInputs
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    bnn = BNNRegression(2, (4,), precision_prior=None, learn_noise=True)
+    fsvgd = FunctionSpaceSVGD(bnn, pyro.optim.Adam({"lr": 0.02}), PARTICLES, 1, method=method,
+                              num_prior_samples=10, nu=KDEInputs(6), layout=layout)
+    for _ in range(SVGD_STEPS):
+        fsvgd.step(x, y, subsample_size=GLOBAL_BATCH)
+    out = gather_named_particles(fsvgd)
+    out.update({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+    return out
+
+
+#: (method, layout, rule) runs compared with one process: w-SGLD's row sums and GFSF's
+#: solve need the whole kernel, gathered in the sharded layout
+SVGD_RUNS = [("wsvgd", "replicated", "svgd"), ("wsvgd", "sharded", "svgd"),
+             ("wsvgd", "sharded", "wsgld"), ("wsvgd", "sharded", "gfsf"),
+             ("fsvgd", "sharded", "svgd")]
+FITS = {"wsvgd": _fit_svgd, "fsvgd": _fit_fsvgd}
 
 
 def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
     """After SVGD_STEPS steps the particles (all of them) and the model's parameters of
     two ranks are those of one process on the same global minibatches (float64
     rounding): the averaged scores with the prior counted once, the gathered particles
-    and kernel blocks, the shared initial particles and the combined parameter
-    gradients."""
+    (or function values) and kernel blocks, the shared initial particles and random
+    streams, and the combined parameter gradients."""
     fits, _ = two_rank_svgd
     assert list(fits) == SVGD_RUNS
-    for (layout, method), distributed in fits.items():
-        single = _fit_svgd(None, method)
-        assert distributed.keys() == single.keys() == {"w", "prior_scale", "noise"}
-        assert distributed["w"].shape == (PARTICLES, 2)
+    for (kind, layout, method), distributed in fits.items():
+        single = FITS[kind](None, method)
+        assert distributed.keys() == single.keys() and len(single) >= 3
+        assert all(len(distributed[k]) == PARTICLES for k in ("w", "layer0") if k in single)
         for name in single:
             assert torch.allclose(distributed[name], single[name], rtol=1e-9, atol=1e-10), (
-                layout, method, name)
+                kind, layout, method, name)
 
 
 def local_latent_model(x, y, subsample):
@@ -247,26 +272,31 @@ def local_latent_model(x, y, subsample):
         pyro.sample("obs", dist.Normal((x[i] * w).sum(-1) + shift, 0.3), obs=y[i])
 
 
-def failing_model(x, y, subsample):
+def failing_model(x, y=None, subsample=None):
     """Raises where ``_fail`` is set (on rank 1 only, after two good steps)."""
     if _fail:
         raise ValueError("rank 1's model fails")
     w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
-    with pyro.plate("data", N, subsample=subsample) as i:
-        pyro.sample("obs", dist.Normal((x[i] * w).sum(-1), 0.3), obs=y[i])
+    with pyro.plate("data", len(x), subsample=subsample) as i:
+        f = pyro.deterministic("f", (x[i] * w).sum(-1), event_dim=0)
+        pyro.sample("obs", dist.Normal(f, 0.3), obs=None if y is None else y[i])
 
 
 _fail = False
 
 
-def _fail_on_rank_1(x, y, batch, good_steps):
-    from pyro_implicit.particles import WeightSpaceSVGD
+def _fail_on_rank_1(x, y, batch, good_steps, function_space=False):
+    from pyro_implicit.particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
     global _fail
     _fail = False
-    svgd = WeightSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4,
-                           max_plate_nesting=1, precondition=False, compile=False,
-                           layout="sharded")
+    if function_space:
+        svgd = FunctionSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4, 1,
+                                 num_prior_samples=4, nu=None, layout="sharded")
+    else:
+        svgd = WeightSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4,
+                               max_plate_nesting=1, precondition=False, compile=False,
+                               layout="sharded")
     svgd.run(good_steps, x, y, batch)
     _fail = tdist.get_rank() == 1
     svgd.step(x, y, batch)
@@ -305,9 +335,10 @@ def _svgd_rank(rank, world, store, out):
         # the model raises on rank 1 only: in the set-up, and on the third step
         "one rank, set-up": lambda: _fail_on_rank_1(x, y, batch, 0),
         "one rank": lambda: _fail_on_rank_1(x, y, batch, 2),
+        "one rank, function space": lambda: _fail_on_rank_1(x, y, batch, 2, True),
     }
     try:
-        fits = {run: _fit_svgd(*run) for run in SVGD_RUNS}
+        fits = {run: FITS[run[0]](*run[1:]) for run in SVGD_RUNS}
         for name, case in cases.items():
             pyro.clear_param_store()
             try:
@@ -345,7 +376,7 @@ def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):
         assert "subsampled plate 'data'" in message
         kind, message, _ = caught["differ"]
         assert kind == "ValueError" and "different latent spaces" in message
-        for case in ("one rank, set-up", "one rank"):
+        for case in ("one rank, set-up", "one rank", "one rank, function space"):
             kind, message, _ = caught[case]
             assert kind == "ValueError" and "rank 1's model fails" in message, case
             # rank 0 raises rank 1's error, and says so

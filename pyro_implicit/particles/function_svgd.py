@@ -162,6 +162,22 @@ class FunctionSpaceSVGD(ParticleInference):
     :param init_particles: see :class:`~pyro_implicit.particles.ParticleInference`.
     :param bool check_vectorization: check on the first step that the model is safe under
         the particle plate (see :class:`~pyro_implicit.particles.ParticleInference`).
+    :param str layout: ``"sharded"``: across the ranks of ``group`` (``torch.distributed``
+        initialised first), each rank holding N / world size particles and running the
+        model on the whole step's arguments; the function values and their scores are
+        all-gathered and each rank computes its particles' function-space directions from
+        their kernel block against all N, then pulls them back to its own particles (see
+        :class:`~pyro_implicit.distributed.ParticleLayout`; the same random streams on
+        every rank, so that every rank draws the same minibatch, extra points and prior
+        functions as one process). A ``prior_score`` callable then sees this rank's
+        particles only (the built-in ones score each particle on its own), and the
+        ``"attractive"``, ``"repulsive"`` and ``"prior_score"`` diagnostics are means over
+        this rank's particles. ``"replicated"`` is not supported.
+    :param group: the process group of ``layout``.
+
+    The model's observed sites are conditioned at the extra points (``call_at`` runs
+    without observations): nothing is drawn for them, so the random streams do not depend
+    on the number of particles.
     """
 
     def __init__(
@@ -184,7 +200,15 @@ class FunctionSpaceSVGD(ParticleInference):
         aux_sites=None,
         init_particles=None,
         check_vectorization=True,
+        layout=None,
+        group=None,
     ):
+        if layout == "replicated":
+            raise NotImplementedError(
+                "FunctionSpaceSVGD runs across ranks with layout='sharded' only (the particles "
+                "sharded, every rank on the whole minibatch): with the data sharded, the "
+                "kernel on function values would need every rank's labelled rows"
+            )
         super().__init__(
             model,
             optim,
@@ -194,6 +218,8 @@ class FunctionSpaceSVGD(ParticleInference):
             method,
             init_particles,
             check_vectorization=check_vectorization,
+            layout=layout,
+            group=group,
         )
         if not isinstance(function_site, str):
             raise TypeError(f"function_site must be a site name, got {function_site!r}")
@@ -345,7 +371,8 @@ class FunctionSpaceSVGD(ParticleInference):
 
     # ------------------------------------------------------------------ step
     def step(self, *args, **kwargs):
-        """One f-POVI update of all particles (Algorithm 1, lines 4-6).
+        """One f-POVI update of all particles (Algorithm 1, lines 4-6); with
+        ``layout="sharded"``, of this rank's particles from their interaction with all N.
 
         :return: ``{"attractive", "repulsive"}`` (mean per-particle norms of the score part
             and the kernel-gradient part of the function-space direction), ``"bandwidth"``
@@ -355,83 +382,27 @@ class FunctionSpaceSVGD(ParticleInference):
         """
         first = self._sites is None
         self._setup(args, kwargs)
-        self._check_finite()
-        if first:
-            self._setup_function(args, kwargs)
         n = self.num_particles
-        x = self._inputs(args, kwargs)
         with torch.enable_grad():
-            values, views, _ = self._unpack(self.particles)
-            trace = self._trace(values, args, kwargs)
-            site = self._function_site(trace)
-            if first:
-                self._check_shapes(trace)
-                self._find_aux(values, site["value"])
-            x_lab = self._labelled_inputs(x, site, trace)
-            f_lab = self._rows(site["value"], n, None if x_lab is None else x_lab.shape[0])
+            local = {}
 
-            # scores: log-likelihood (observed sites) w.r.t. f, and the aux sites' MAP objective
-            observed = self._observed_names(trace)
-            aux_names = [s.name for s in self._aux]
-            scored = set(observed) | set(aux_names)
-            trace.compute_log_prob(site_filter=lambda name, s: name in scored)
-            log_lik = self._particle_sum(trace, observed)
-            objective = log_lik.sum() + self._particle_sum(trace, aux_names).sum()
-            inputs = [site["value"]] + [views[name] for name in aux_names]
-            params = self.model_parameters()
-            if objective.requires_grad:
-                grads = torch.autograd.grad(
-                    objective, inputs + params, retain_graph=True, allow_unused=True
-                )
+            def scores():
+                self._check_finite()
+                if first:
+                    self._setup_function(args, kwargs)
+                local.update(self._local_scores(args, kwargs, first))
+                return (local["f_all"].detach().reshape(n, -1), local["log_lik"].detach(),
+                        local["g_all"].reshape(n, -1), local["param_grads"])
+
+            if self.distributed is None:
+                z, log_lik, g, param_grads = scores()
+                block = {}
             else:
-                grads = [None] * (len(inputs) + len(params))
-            # the model's own pyro.params (e.g. a noise scale) descend minus the particles'
-            # mean log-likelihood
-            param_grads = [None if g is None else -g / n for g in grads[len(inputs) :]]
-            grads = grads[: len(inputs)]
-            g_site = grads[0]
-            if g_site is None and observed:
-                raise ValueError(
-                    f"the likelihood ({observed}) does not use the value recorded at "
-                    f"'{self.function_site}', so FunctionSpaceSVGD would see no likelihood "
-                    "gradient: pass the very tensor given to pyro.deterministic to the "
-                    "observation's distribution (not a recomputed copy)"
-                )
-            if g_site is None:
-                g_lab = torch.zeros_like(f_lab)
-            else:
-                g_lab = self._rows(g_site, n, f_lab.shape[1])
-
-            # extra points x ~ nu: no likelihood, prior and repulsion only
-            parts, x_parts, g_parts = [f_lab], [x_lab], [g_lab.detach()]
-            if self.nu is not None:
-                if torch.is_tensor(self.nu):
-                    x_nu = self.nu
-                else:
-                    self._require_inputs(x, "nu")
-                    x_nu = self.nu(x)
-                ext_args, ext_kwargs = self.call_at(x_nu)
-                ext_trace = self._trace(values, ext_args, ext_kwargs)
-                f_ext = self._rows(self._function_site(ext_trace)["value"], n, x_nu.shape[0])
-                parts.append(f_ext)
-                x_parts.append(x_nu)
-                g_parts.append(torch.zeros_like(f_ext).detach())
-            f_all = torch.cat(parts, dim=1) if len(parts) > 1 else f_lab
-            g_all = torch.cat(g_parts, dim=1)
-
-            prior_norm = 0.0
-            if self.prior_score is not None:
-                self._require_inputs(x_lab, "the function-space prior")
-                rows = self._prior_rows(f_lab.shape[1], f_all.shape[1] - f_lab.shape[1])
-                rows = rows.to(f_all.device)  # drawn on the CPU generator, as everywhere
-                x_p = torch.cat(x_parts, dim=0).index_select(0, rows)
-                f_p = f_all.detach().index_select(1, rows)
-                score = self.prior_score(f_p, x_p, lambda k: self._sample_prior(x_p, k))
-                g_all = g_all.index_add(1, rows, score.to(g_all))
-                prior_norm = score.reshape(n, -1).norm(dim=-1).mean().item()
-
-            z = f_all.detach().reshape(n, -1)
-            d = stein_direction(z, g_all.reshape(n, -1), self.kernel, self.method)
+                # every rank's function values and scores, or every rank raises
+                z, log_lik, g, param_grads = self.distributed.exchange(self, scores)
+                block = self.distributed.block
+            d = stein_direction(z, g, self.kernel, self.method, **block)
+            f_all = local["f_all"]
             (pulled,) = torch.autograd.grad(
                 f_all,
                 self.particles,
@@ -439,13 +410,101 @@ class FunctionSpaceSVGD(ParticleInference):
                 allow_unused=True,
             )
         direction = torch.zeros_like(self.particles) if pulled is None else pulled
-        for s, g in zip(self._aux, grads[1:], strict=True):
-            direction[:, s.start : s.stop] = 0.0 if g is None else g.reshape(n, -1)
-        self._apply(direction, param_grads)
+        for s, g_aux in zip(self._aux, local["aux_grads"], strict=True):
+            direction[:, s.start : s.stop] = 0.0 if g_aux is None else g_aux.reshape(n, -1)
+        # the model's own pyro.params (e.g. a noise scale) descend minus the particles'
+        # mean log-likelihood, over all N particles
+        total = z.shape[0]
+        self._apply(direction, [None if g_p is None else -g_p / total for g_p in param_grads])
         return {
             "attractive": self._norm(d.drive),
             "repulsive": self._norm(d.repulsion),
             "bandwidth": d.bandwidth.item(),
             "log_likelihood": log_lik.detach().mean().item(),
-            "prior_score": prior_norm,
+            "prior_score": local["prior_norm"],
+        }
+
+    def _local_scores(self, args, kwargs, first):
+        """This process's particles: their function values ``f_all`` ``(n, rows, F)`` (with
+        the graph to the particles) and scores ``g_all``, the per-particle
+        log-likelihoods, the aux sites' gradients, the sums over particles of the model
+        parameters' gradients and the prior score's mean norm."""
+        n = self.num_particles
+        x = self._inputs(args, kwargs)
+        values, views, _ = self._unpack(self.particles)
+        trace = self._trace(values, args, kwargs)
+        site = self._function_site(trace)
+        if first:
+            self._check_shapes(trace)
+            self._find_aux(values, site["value"])
+        x_lab = self._labelled_inputs(x, site, trace)
+        f_lab = self._rows(site["value"], n, None if x_lab is None else x_lab.shape[0])
+
+        # scores: log-likelihood (observed sites) w.r.t. f, and the aux sites' MAP objective
+        observed = self._observed_names(trace)
+        aux_names = [s.name for s in self._aux]
+        scored = set(observed) | set(aux_names)
+        trace.compute_log_prob(site_filter=lambda name, s: name in scored)
+        log_lik = self._particle_sum(trace, observed)
+        objective = log_lik.sum() + self._particle_sum(trace, aux_names).sum()
+        inputs = [site["value"]] + [views[name] for name in aux_names]
+        params = self.model_parameters()
+        if objective.requires_grad:
+            grads = torch.autograd.grad(
+                objective, inputs + params, retain_graph=True, allow_unused=True
+            )
+        else:
+            grads = [None] * (len(inputs) + len(params))
+        param_grads = list(grads[len(inputs) :])
+        grads = grads[: len(inputs)]
+        g_site = grads[0]
+        if g_site is None and observed:
+            raise ValueError(
+                f"the likelihood ({observed}) does not use the value recorded at "
+                f"'{self.function_site}', so FunctionSpaceSVGD would see no likelihood "
+                "gradient: pass the very tensor given to pyro.deterministic to the "
+                "observation's distribution (not a recomputed copy)"
+            )
+        if g_site is None:
+            g_lab = torch.zeros_like(f_lab)
+        else:
+            g_lab = self._rows(g_site, n, f_lab.shape[1])
+
+        # extra points x ~ nu: no likelihood, prior and repulsion only
+        parts, x_parts, g_parts = [f_lab], [x_lab], [g_lab.detach()]
+        if self.nu is not None:
+            if torch.is_tensor(self.nu):
+                x_nu = self.nu
+            else:
+                self._require_inputs(x, "nu")
+                x_nu = self.nu(x)
+            ext_args, ext_kwargs = self.call_at(x_nu)
+            # the observations are not needed there: conditioned, nothing is drawn for them
+            zero = self.particles.new_zeros(())
+            ext_values = dict(values, **{name: zero for name in observed})
+            ext_trace = self._trace(ext_values, ext_args, ext_kwargs)
+            f_ext = self._rows(self._function_site(ext_trace)["value"], n, x_nu.shape[0])
+            parts.append(f_ext)
+            x_parts.append(x_nu)
+            g_parts.append(torch.zeros_like(f_ext).detach())
+        f_all = torch.cat(parts, dim=1) if len(parts) > 1 else f_lab
+        g_all = torch.cat(g_parts, dim=1)
+
+        prior_norm = 0.0
+        if self.prior_score is not None:
+            self._require_inputs(x_lab, "the function-space prior")
+            rows = self._prior_rows(f_lab.shape[1], f_all.shape[1] - f_lab.shape[1])
+            rows = rows.to(f_all.device)  # drawn on the CPU generator, as everywhere
+            x_p = torch.cat(x_parts, dim=0).index_select(0, rows)
+            f_p = f_all.detach().index_select(1, rows)
+            score = self.prior_score(f_p, x_p, lambda k: self._sample_prior(x_p, k))
+            g_all = g_all.index_add(1, rows, score.to(g_all))
+            prior_norm = score.reshape(n, -1).norm(dim=-1).mean().item()
+        return {
+            "f_all": f_all,
+            "g_all": g_all,
+            "log_lik": log_lik,
+            "aux_grads": list(grads[1:]),
+            "param_grads": param_grads,
+            "prior_norm": prior_norm,
         }

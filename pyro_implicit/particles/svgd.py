@@ -763,8 +763,12 @@ class WeightSpaceSVGD(ParticleInference):
         else:
             # every rank scores its particles on its data; the ranks then agree on the
             # (averaged or gathered) scores, or all raise the first rank's error
+            def scores():
+                self._check_finite()
+                return (self.particles.detach(), *self._scores(args, kwargs, first))
+
             particles, log_joint, score, param_grads = self.distributed.exchange(
-                self, lambda: (self._check_finite(), self._scores(args, kwargs, first))[1]
+                self, scores, width=self.latent_dim
             )
             block = self.distributed.block
         if not math.isfinite(log_joint.detach().sum().item()):
