@@ -77,8 +77,13 @@ def time_svgd(model, args, kwargs, mpn, compile, particles, steps, seed):
 
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), num_particles=particles,
-                           max_plate_nesting=mpn, compile=compile)
+    svgd = WeightSpaceSVGD(
+        model,
+        pyro.optim.Adam({"lr": 1e-2}),
+        num_particles=particles,
+        max_plate_nesting=mpn,
+        compile=compile,
+    )
     start = time.perf_counter()
     svgd.step(*args, **kwargs)
     setup = time.perf_counter() - start
@@ -108,8 +113,7 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     pyro.set_rng_seed(seed)
     if name == "autonormal":
         guide = AutoNormal(model)
-        loss = Trace_ELBO(num_particles=particles, vectorize_particles=True,
-                          max_plate_nesting=mpn)
+        loss = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=mpn)
     else:
         method, backend = name.split("-")
         compile = False if backend == "eager" else backend
@@ -122,8 +126,9 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
             loss = GPVI_ELBO(num_particles=particles, max_plate_nesting=mpn, compile=compile)
         else:
             guide = ImplicitGuide(model)
-            loss = AmortizedSVGD_ELBO(num_particles=particles, max_plate_nesting=mpn,
-                                      compile=compile)
+            loss = AmortizedSVGD_ELBO(
+                num_particles=particles, max_plate_nesting=mpn, compile=compile
+            )
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
     for _ in range(5):  # set-up, preconditioner, vectorisation check, trace
         svi.step(*args, **kwargs)
@@ -136,8 +141,17 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
 LOSSES = ("autonormal", "gpvi-eager", "gpvi-fx", "asvgd-eager", "asvgd-fx")
 
 #: ``--only-losses``: the implicit losses whose traced path skips the guide's trace too
-KERNEL_LOSSES = ("autonormal", "kivi-eager", "kivi-fx", "stein-eager", "stein-fx",
-                 "asvgd-eager", "asvgd-fx", "gpvi-eager", "gpvi-fx")
+KERNEL_LOSSES = (
+    "autonormal",
+    "kivi-eager",
+    "kivi-fx",
+    "stein-eager",
+    "stein-fx",
+    "asvgd-eager",
+    "asvgd-fx",
+    "gpvi-eager",
+    "gpvi-fx",
+)
 
 
 def main_losses(args, command, commit):
@@ -149,8 +163,16 @@ def main_losses(args, command, commit):
             for loss_name in KERNEL_LOSSES:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms = time_loss(model, margs, mkwargs, mpn, loss_name, args.loss_particles,
-                               args.calls // 2, args.seed)
+                ms = time_loss(
+                    model,
+                    margs,
+                    mkwargs,
+                    mpn,
+                    loss_name,
+                    args.loss_particles,
+                    args.calls // 2,
+                    args.seed,
+                )
                 losses[loss_name] = min(losses[loss_name], ms)
         rows.append((name, losses))
         print(name, {n: f"{v:.2f} ms" for n, v in losses.items()}, flush=True)
@@ -178,15 +200,19 @@ def main_losses(args, command, commit):
         return "-" if value == float("inf") or value != value else format(value, fmt)
 
     for name, losses in rows:
-        lines.append(f"| {name} | " + " | ".join(cell(losses[n], ".2f") for n in KERNEL_LOSSES)
-                     + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(cell(losses[n], ".2f") for n in KERNEL_LOSSES) + " |"
+        )
     lines += [
         "",
         "Speed-up of the traced path over Pyro traces (`-eager` / `-fx`), and each step "
         "against AutoNormal's (`-fx` / autonormal; the goal is at most 1.0):",
         "",
-        "| model | " + " | ".join(f"{m} speed-up" for m in methods) + " | "
-        + " | ".join(f"{m}-fx / autonormal" for m in methods) + " |",
+        "| model | "
+        + " | ".join(f"{m} speed-up" for m in methods)
+        + " | "
+        + " | ".join(f"{m}-fx / autonormal" for m in methods)
+        + " |",
         "|---|" + "---:|" * (2 * len(methods)),
     ]
     for name, losses in rows:
@@ -194,7 +220,10 @@ def main_losses(args, command, commit):
         lines.append(
             f"| {name} | "
             + " | ".join(cell(losses[f"{m}-eager"] / losses[f"{m}-fx"], ".2f") for m in methods)
-            + " | " + " | ".join(cell(losses[f"{m}-fx"] / base, ".2f") for m in methods) + " |")
+            + " | "
+            + " | ".join(cell(losses[f"{m}-fx"] / base, ".2f") for m in methods)
+            + " |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
@@ -206,21 +235,32 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--particles", type=int, default=100)
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--loss-particles", type=int, default=64,
-                   help="particles of the SVI losses (GPVI's and amortised SVGD's default)")
+    p.add_argument(
+        "--loss-particles",
+        type=int,
+        default=64,
+        help="particles of the SVI losses (GPVI's and amortised SVGD's default)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="Markdown results file")
-    p.add_argument("--only-losses", action="store_true",
-                   help="only the kernel losses' SVI steps (KernelRatioELBO, SteinScoreELBO)")
+    p.add_argument(
+        "--only-losses",
+        action="store_true",
+        help="only the kernel losses' SVI steps (KernelRatioELBO, SteinScoreELBO)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float32)
     pyro.set_rng_seed(args.seed)
     command = "python benchmarks/compiled_score.py " + " ".join(argv or sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
     if args.only_losses:
         return main_losses(args, command, commit)
     rows = []
@@ -239,9 +279,16 @@ def main(argv=None):
         setups = {b: [] for b in BACKENDS}
         for _ in range(args.repeats):
             for backend in BACKENDS:
-                ms, setup = time_svgd(model, margs, mkwargs, mpn,
-                                      False if backend == "eager" else backend,
-                                      args.particles, args.calls, args.seed)
+                ms, setup = time_svgd(
+                    model,
+                    margs,
+                    mkwargs,
+                    mpn,
+                    False if backend == "eager" else backend,
+                    args.particles,
+                    args.calls,
+                    args.seed,
+                )
                 steps[backend] = min(steps[backend], ms)
                 setups[backend].append(setup)
         losses = {n: float("inf") for n in LOSSES}
@@ -249,12 +296,24 @@ def main(argv=None):
             for loss_name in LOSSES:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms = time_loss(model, margs, mkwargs, mpn, loss_name, args.loss_particles,
-                               args.calls // 2, args.seed)
+                ms = time_loss(
+                    model,
+                    margs,
+                    mkwargs,
+                    mpn,
+                    loss_name,
+                    args.loss_particles,
+                    args.calls // 2,
+                    args.seed,
+                )
                 losses[loss_name] = min(losses[loss_name], ms)
         rows.append((name, space.latent_dim, best, builds, steps, setups, losses))
-        print(name, {b: f"{v:.3f} ms" for b, v in best.items()},
-              {b: f"{v:.3f} ms" for b, v in steps.items()}, flush=True)
+        print(
+            name,
+            {b: f"{v:.3f} ms" for b, v in best.items()},
+            {b: f"{v:.3f} ms" for b, v in steps.items()},
+            flush=True,
+        )
     lines = [
         "# Score of N particles: eager Pyro against traced graphs",
         "",
@@ -275,7 +334,8 @@ def main(argv=None):
             f"{best['inductor']:.3f} | {best['eager'] / best['fx']:.1f}x | "
             f"{best['eager'] / best['inductor']:.1f}x | "
             f"{min(builds['fx']):.2f}-{max(builds['fx']):.2f} | "
-            f"{min(builds['inductor']):.1f}-{max(builds['inductor']):.1f} |")
+            f"{min(builds['inductor']):.1f}-{max(builds['inductor']):.1f} |"
+        )
     lines += [
         "",
         f"`WeightSpaceSVGD(model, Adam(1e-2), num_particles={args.particles}, compile=...)`, "
@@ -291,7 +351,9 @@ def main(argv=None):
         lines.append(
             f"| {name} | {steps['eager']:.2f} | {steps['fx']:.2f} | {steps['inductor']:.2f} | "
             f"{steps['eager'] / steps['fx']:.1f}x | {steps['eager'] / steps['inductor']:.1f}x | "
-            + " / ".join(f"{min(setups[b]):.1f}" for b in BACKENDS) + " |")
+            + " / ".join(f"{min(setups[b]):.1f}" for b in BACKENDS)
+            + " |"
+        )
     lines += [
         "",
         f"SVI steps with {args.loss_particles} vectorised particles, ms per step (best of "
@@ -300,17 +362,24 @@ def main(argv=None):
         "losses score the draws with the traced graph (`compile='fx'`, the default), "
         "`-eager`: with a Pyro trace of the model (`compile=False`):",
         "",
-        "| model | " + " | ".join(LOSSES) + " | " + " | ".join(
-            f"{n} / autonormal" for n in LOSSES[1:]) + " |",
+        "| model | "
+        + " | ".join(LOSSES)
+        + " | "
+        + " | ".join(f"{n} / autonormal" for n in LOSSES[1:])
+        + " |",
         "|---|" + "---:|" * (2 * len(LOSSES) - 1),
     ]
     for name, *_, losses in rows:
         base = losses["autonormal"]
-        lines.append(f"| {name} | " + " | ".join(
-            "-" if losses[n] == float("inf") else f"{losses[n]:.2f}" for n in LOSSES)
-            + " | " + " | ".join(
-            "-" if losses[n] == float("inf") else f"{losses[n] / base:.2f}"
-            for n in LOSSES[1:]) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join("-" if losses[n] == float("inf") else f"{losses[n]:.2f}" for n in LOSSES)
+            + " | "
+            + " | ".join(
+                "-" if losses[n] == float("inf") else f"{losses[n] / base:.2f}" for n in LOSSES[1:]
+            )
+            + " |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

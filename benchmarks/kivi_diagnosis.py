@@ -54,12 +54,15 @@ KIVI_VARIANTS = [
 
 #: combinations of the single factors that helped (``--set combined``)
 KIVI_COMBINED = [
-    ("400 particles + contrast rate 0.1", {}, {"num_particles": 400, "contrast_rate": 0.1},
-     1e-2),
+    ("400 particles + contrast rate 0.1", {}, {"num_particles": 400, "contrast_rate": 0.1}, 1e-2),
     ("contrast rate 0.1 + lr 3e-3", {}, {"contrast_rate": 0.1}, 3e-3),
     ("400 particles + lr 3e-3", {}, {"num_particles": 400}, 3e-3),
-    ("200 particles + contrast rate 0.1 + lr 3e-3", {},
-     {"num_particles": 200, "contrast_rate": 0.1}, 3e-3),
+    (
+        "200 particles + contrast rate 0.1 + lr 3e-3",
+        {},
+        {"num_particles": 200, "contrast_rate": 0.1},
+        3e-3,
+    ),
 ]
 
 #: the Stein score estimate against the kernel ratio on the same Gaussian part
@@ -72,8 +75,12 @@ STEIN_VARIANTS = [
     ("SteinScoreELBO(num_particles=200)", {}, {"loss": "stein", "num_particles": 200}, 1e-2),
     ("SteinScoreELBO() + lr 3e-3", {}, {"loss": "stein"}, 3e-3),
     ("kernel ratio, contrast 'moments'", {}, {"adaptive_contrast": "moments"}, 1e-2),
-    ("kernel ratio, contrast 'moments', regularizer 0.1", {},
-     {"adaptive_contrast": "moments", "regularizer": 0.1}, 1e-2),
+    (
+        "kernel ratio, contrast 'moments', regularizer 0.1",
+        {},
+        {"adaptive_contrast": "moments", "regularizer": 0.1},
+        1e-2,
+    ),
 ]
 
 #: SVGD variants: (label, WeightSpaceSVGD kwargs, lr)
@@ -86,11 +93,13 @@ SVGD_VARIANTS = [
 
 
 def _score(model, args, kwargs, mpn, fitted, reference, num_draws=1000):
-    draws, _ = posterior_draws(fitted, model, args, kwargs, num_draws, mpn,
-                               latent_shapes(model, *args, **kwargs))
+    draws, _ = posterior_draws(
+        fitted, model, args, kwargs, num_draws, mpn, latent_shapes(model, *args, **kwargs)
+    )
     joint = compare_samples(draws, reference, sites=list(reference))["joint"]
-    return {k: joint[k] for k in ("mean_error_max", "sd_ratio_min", "sd_ratio_max",
-                                  "energy_distance")}
+    return {
+        k: joint[k] for k in ("mean_error_max", "sd_ratio_min", "sd_ratio_max", "energy_distance")
+    }
 
 
 def fit_kivi(name, guide_kwargs, loss_kwargs, lr, steps, every, seed, reference):
@@ -113,13 +122,20 @@ def fit_kivi(name, guide_kwargs, loss_kwargs, lr, steps, every, seed, reference)
             anchors += int(any(getattr(elbo, "_saturated", {}).values()))
             if step % every == 0:
                 row = _score(model, args, kwargs, mpn, guide, reference)
-                row.update(step=step,
-                           clipped=sum(clipped[-every:]) / max(len(clipped[-every:]), 1),
-                           kl=kls[-1] if kls else math.nan, reanchored=anchors)
+                row.update(
+                    step=step,
+                    clipped=sum(clipped[-every:]) / max(len(clipped[-every:]), 1),
+                    kl=kls[-1] if kls else math.nan,
+                    reanchored=anchors,
+                )
                 trace.append(row)
     except Exception as e:  # noqa: BLE001 - a diverged fit is a result here
-        return {"status": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                "failed_at": step, "trace": trace, "seconds": time.perf_counter() - start}
+        return {
+            "status": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            "failed_at": step,
+            "trace": trace,
+            "seconds": time.perf_counter() - start,
+        }
     return {"status": "ok", "trace": trace, "seconds": time.perf_counter() - start}
 
 
@@ -133,8 +149,7 @@ def fit_svgd(name, svgd_kwargs, lr, steps, every, seed, reference):
     if svgd_kwargs.get("kernel") == "liu_wang":
         n = svgd_kwargs.get("num_particles", 100)
         svgd_kwargs["kernel"] = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(n))
-    svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": lr}), max_plate_nesting=mpn,
-                           **svgd_kwargs)
+    svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": lr}), max_plate_nesting=mpn, **svgd_kwargs)
     trace = []
     start = time.perf_counter()
     try:
@@ -145,14 +160,17 @@ def fit_svgd(name, svgd_kwargs, lr, steps, every, seed, reference):
                 row.update(step=step, bandwidth=diag["bandwidth"])
                 trace.append(row)
     except Exception as e:  # noqa: BLE001
-        return {"status": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                "failed_at": step, "trace": trace, "seconds": time.perf_counter() - start}
+        return {
+            "status": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            "failed_at": step,
+            "trace": trace,
+            "seconds": time.perf_counter() - start,
+        }
     return {"status": "ok", "trace": trace, "seconds": time.perf_counter() - start}
 
 
 def _cell(row):
-    return (f"{row['mean_error_max']:.2f} ({row['sd_ratio_min']:.2f}-"
-            f"{row['sd_ratio_max']:.2f})")
+    return f"{row['mean_error_max']:.2f} ({row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f})"
 
 
 def markdown(record):
@@ -160,12 +178,15 @@ def markdown(record):
     steps = record["settings"]["steps"]
     cols = list(range(every, steps + 1, every))
     lines = [
-        {"combined": "# Why the kernel ratio and weight-space SVGD miss: the helpful factors "
-                     "combined",
-         "stein": "# The Stein score estimate against the kernel ratio, on the draws' own "
-                  "Gaussian"}.get(record["settings"].get("set"),
-                                  "# Why the kernel ratio and weight-space SVGD miss: one "
-                                  "factor at a time"),
+        {
+            "combined": "# Why the kernel ratio and weight-space SVGD miss: the helpful factors "
+            "combined",
+            "stein": "# The Stein score estimate against the kernel ratio, on the draws' own "
+            "Gaussian",
+        }.get(
+            record["settings"].get("set"),
+            "# Why the kernel ratio and weight-space SVGD miss: one factor at a time",
+        ),
         "",
         f"`{record['command']}` (commit {record['commit']}, {record['date']}), float64, one "
         f"thread, seed {record['settings']['seed']}, {steps} steps, scored every {every} "
@@ -174,28 +195,39 @@ def markdown(record):
         "",
     ]
     for method in ("kivi", "svgd"):
-        title = ("ImplicitGuide + KernelRatioELBO or SteinScoreELBO" if method == "kivi"
-                 else "WeightSpaceSVGD")
+        title = (
+            "ImplicitGuide + KernelRatioELBO or SteinScoreELBO"
+            if method == "kivi"
+            else "WeightSpaceSVGD"
+        )
         lines += [f"## {title}", ""]
         extra = " | clipped (last) | re-anchored | s |" if method == "kivi" else " | s |"
-        lines += ["| model | variant | " + " | ".join(f"step {c}" for c in cols) + extra,
-                  "|---|---|" + "---:|" * len(cols) + ("---:|---:|---:|" if method == "kivi"
-                                                       else "---:|")]
+        lines += [
+            "| model | variant | " + " | ".join(f"step {c}" for c in cols) + extra,
+            "|---|---|"
+            + "---:|" * len(cols)
+            + ("---:|---:|---:|" if method == "kivi" else "---:|"),
+        ]
         for row in record["rows"]:
             if row["method"] != method:
                 continue
             cells = {r["step"]: _cell(r) for r in row["trace"]}
             body = [cells.get(c, "-") for c in cols]
             if row["status"] != "ok":
-                body = [cells.get(c, f"failed at {row['failed_at']}" if c >= row["failed_at"]
-                                  else "-") for c in cols]
+                body = [
+                    cells.get(c, f"failed at {row['failed_at']}" if c >= row["failed_at"] else "-")
+                    for c in cols
+                ]
             tail = " |"
             if method == "kivi":
                 last = row["trace"][-1] if row["trace"] else {}
-                tail = (f" | {last.get('clipped', math.nan):.2f} | "
-                        f"{last.get('reanchored', 0)} |")
-            lines.append(f"| {row['model']} | {row['variant']} | " + " | ".join(body)
-                         + tail + f" {row['seconds']:.0f} |")
+                tail = f" | {last.get('clipped', math.nan):.2f} | {last.get('reanchored', 0)} |"
+            lines.append(
+                f"| {row['model']} | {row['variant']} | "
+                + " | ".join(body)
+                + tail
+                + f" {row['seconds']:.0f} |"
+            )
             if row["status"] != "ok":
                 pad = len(cols) + (3 if method == "kivi" else 1)
                 lines.append(f"|  | ({row['status']}) |" + " |" * pad)
@@ -207,15 +239,28 @@ def _jobs(name, reference, methods, args):
     """``(method, variant, thunk)`` for every variant of the chosen methods."""
     jobs = []
     if "kivi" in methods:
-        variants = {"combined": KIVI_COMBINED, "stein": STEIN_VARIANTS}.get(
-            args.set, KIVI_VARIANTS)
+        variants = {"combined": KIVI_COMBINED, "stein": STEIN_VARIANTS}.get(args.set, KIVI_VARIANTS)
         for label, guide_kwargs, loss_kwargs, lr in variants:
-            jobs.append(("kivi", label, lambda g=guide_kwargs, lo=loss_kwargs, lr=lr: fit_kivi(
-                name, g, lo, lr, args.steps, args.every, args.seed, reference)))
+            jobs.append(
+                (
+                    "kivi",
+                    label,
+                    lambda g=guide_kwargs, lo=loss_kwargs, lr=lr: fit_kivi(
+                        name, g, lo, lr, args.steps, args.every, args.seed, reference
+                    ),
+                )
+            )
     if "svgd" in methods:
         for label, svgd_kwargs, lr in SVGD_VARIANTS:
-            jobs.append(("svgd", label, lambda s=svgd_kwargs, lr=lr: fit_svgd(
-                name, s, lr, args.steps, args.every, args.seed, reference)))
+            jobs.append(
+                (
+                    "svgd",
+                    label,
+                    lambda s=svgd_kwargs, lr=lr: fit_svgd(
+                        name, s, lr, args.steps, args.every, args.seed, reference
+                    ),
+                )
+            )
     return jobs
 
 
@@ -229,24 +274,32 @@ def main(argv=None):
     p.add_argument("--out")
     p.add_argument("--markdown")
     p.add_argument("--from-json", help="only rewrite --markdown from this results file")
-    p.add_argument("--set", choices=["single", "combined", "stein"], default="single",
-                   help="KIVI variants: one factor at a time, combinations, or the Stein "
-                   "score estimate against the kernel ratio")
+    p.add_argument(
+        "--set",
+        choices=["single", "combined", "stein"],
+        default="single",
+        help="KIVI variants: one factor at a time, combinations, or the Stein "
+        "score estimate against the kernel ratio",
+    )
     args = p.parse_args(argv)
     if args.from_json:
-        Path(args.markdown).write_text(markdown(json.loads(Path(args.from_json).read_text()))
-                                       + "\n")
+        Path(args.markdown).write_text(
+            markdown(json.loads(Path(args.from_json).read_text())) + "\n"
+        )
         return
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     argv = sys.argv[1:] if argv is None else argv
     record = {
         "command": "python benchmarks/kivi_diagnosis.py " + " ".join(argv),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, cwd=Path(__file__).parent).stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "settings": {"steps": args.steps, "every": args.every, "seed": args.seed,
-                     "set": args.set},
+        "settings": {"steps": args.steps, "every": args.every, "seed": args.seed, "set": args.set},
         "rows": [],
     }
     methods = args.methods.split(",")
@@ -258,8 +311,11 @@ def main(argv=None):
             out.update(model=name, method=method, variant=label)
             record["rows"].append(out)
             last = out["trace"][-1] if out["trace"] else None
-            print(f"{name:24s} {method:5s} {label:30s} {out['status'][:40]:40s} "
-                  + (_cell(last) if last else "-"), flush=True)
+            print(
+                f"{name:24s} {method:5s} {label:30s} {out['status'][:40]:40s} "
+                + (_cell(last) if last else "-"),
+                flush=True,
+            )
             if args.out:
                 Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.markdown:

@@ -62,12 +62,21 @@ def make_model(hidden):
 
 def make_method(name, model, args):
     if name == "livi":
-        guide = LinearizedGuide(model, generator="scalable", sigma=1e-3,
-                                init_loc_fn=init_to_sample, init_scale=args.init_scale,
-                                precondition=False)  # the paper's raw weight space
-        return guide, LIVI_ELBO(num_particles=2, bound="svd", max_plate_nesting=1,
-                                entropy_weight=getattr(args, "entropy_weight", 1.0),
-                                prior_weight=getattr(args, "prior_weight", 1.0))
+        guide = LinearizedGuide(
+            model,
+            generator="scalable",
+            sigma=1e-3,
+            init_loc_fn=init_to_sample,
+            init_scale=args.init_scale,
+            precondition=False,
+        )  # the paper's raw weight space
+        return guide, LIVI_ELBO(
+            num_particles=2,
+            bound="svd",
+            max_plate_nesting=1,
+            entropy_weight=getattr(args, "entropy_weight", 1.0),
+            prior_weight=getattr(args, "prior_weight", 1.0),
+        )
     guide = AutoNormal(model, init_loc_fn=init_to_sample, init_scale=args.init_scale)
     options = {"num_particles": 2, "vectorize_particles": True, "max_plate_nesting": 1}
     entropy_weight = getattr(args, "entropy_weight", 1.0)
@@ -99,8 +108,10 @@ class _TemperedELBO(Trace_ELBO):
         self.names, self.entropy_weight, self.prior_weight = names, entropy_weight, prior_weight
 
     def _wrap(self, model, guide):
-        return (_ScaleSites(self.names, self.prior_weight)(model),
-                poutine.scale(guide, scale=self.entropy_weight))
+        return (
+            _ScaleSites(self.names, self.prior_weight)(model),
+            poutine.scale(guide, scale=self.entropy_weight),
+        )
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         return super().loss_and_grads(*self._wrap(model, guide), *args, **kwargs)
@@ -163,8 +174,12 @@ def run_method(name, data, args, progress):
             if (step + 1) % steps_per_epoch == 0 and progress:
                 epoch = (step + 1) // steps_per_epoch
                 if epoch % max(1, args.epochs // 10) == 0 or epoch == args.epochs:
-                    print(f"  {name}: epoch {epoch}/{args.epochs}  loss/n {value / n:.4f}  "
-                          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"  {name}: epoch {epoch}/{args.epochs}  loss/n {value / n:.4f}  "
+                        f"{time.perf_counter() - start:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         seconds = time.perf_counter() - start
     probs = predictive_probs(guide, model, data.x_test, args.draws)
     scores = classification_scores(probs, data.y_test)
@@ -193,16 +208,19 @@ def run_method(name, data, args, progress):
 
 
 def markdown(results):
-    lines = ["| method | D | variational params | accuracy | NLL | ECE | conf. rotated | "
-             "AUROC rotated | conf. noise | AUROC noise | s / step | peak MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | D | variational params | accuracy | NLL | ECE | conf. rotated | "
+        "AUROC rotated | conf. noise | AUROC noise | s / step | peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         t, rot, noi = r["test"], r["ood"]["rotated 90"], r["ood"]["uniform noise"]
         lines.append(
             f"| {r['method']} | {r['latent_dim']:,} | {r['variational_params']:,} | "
             f"{t['accuracy']:.4f} | {t['nll']:.4f} | {t['ece']:.4f} | {rot['confidence']:.3f} | "
             f"{rot['auroc']:.3f} | {noi['confidence']:.3f} | {noi['auroc']:.3f} | "
-            f"{r['seconds_per_step']:.3f} | {r['peak_mb']:.0f} |")
+            f"{r['seconds_per_step']:.3f} | {r['peak_mb']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,14 +231,26 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--init-scale", type=float, default=1e-2,
-                   help="initial spread of both guides around the initial weights")
-    p.add_argument("--entropy-weight", type=float, default=1.0,
-                   help="tempering of the entropy, for both methods (1: the paper's ELBO; "
-                        "the authors' code uses N/B)")
-    p.add_argument("--prior-weight", type=float, default=1.0,
-                   help="tempering of the weights' prior, for both methods (1: the "
-                        "paper's ELBO; the authors' code uses 8.5e-4 N/B)")
+    p.add_argument(
+        "--init-scale",
+        type=float,
+        default=1e-2,
+        help="initial spread of both guides around the initial weights",
+    )
+    p.add_argument(
+        "--entropy-weight",
+        type=float,
+        default=1.0,
+        help="tempering of the entropy, for both methods (1: the paper's ELBO; "
+        "the authors' code uses N/B)",
+    )
+    p.add_argument(
+        "--prior-weight",
+        type=float,
+        default=1.0,
+        help="tempering of the weights' prior, for both methods (1: the "
+        "paper's ELBO; the authors' code uses 8.5e-4 N/B)",
+    )
     p.add_argument("--draws", type=int, default=100, help="posterior draws per prediction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -247,12 +277,15 @@ def main(argv=None):
     table = markdown(results)
     print(table)
     record = {
-        "command": "python benchmarks/livi_mnist.py " + " ".join(
-            sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/livi_mnist.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "data": data.split_description,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "pyro": pyro.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pyro": pyro.__version__,
+        },
         "total_seconds": time.time() - started,
         "results": results,
         "table": table,

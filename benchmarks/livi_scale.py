@@ -64,21 +64,28 @@ def worker(dim, noise_dim, bound, steps, seed):
     pyro.set_rng_seed(seed)
     x = torch.randn(100, IN_DIM)
     y = torch.sin(x.sum(-1)) + 0.1 * torch.randn(100)
-    model = BNNRegression(IN_DIM, hidden_dims=(width_for(dim),) * 2, precision_prior=None,
-                          noise_scale=0.1)
+    model = BNNRegression(
+        IN_DIM, hidden_dims=(width_for(dim),) * 2, precision_prior=None, noise_scale=0.1
+    )
     latent_dim = model.num_weights
     # a throw-away step on a tiny network first, so lazy imports (torch.func, ...) and
     # one-off buffers are not counted as this configuration's memory
     tiny = BNNRegression(IN_DIM, hidden_dims=(2, 2), precision_prior=None, noise_scale=0.1)
-    SVI(tiny, LinearizedGuide(tiny, generator="scalable", noise_dim=4, precondition=False),
-        pyro.optim.Adam({}), LIVI_ELBO(bound=bound, max_plate_nesting=1)).step(x, y)
+    SVI(
+        tiny,
+        LinearizedGuide(tiny, generator="scalable", noise_dim=4, precondition=False),
+        pyro.optim.Adam({}),
+        LIVI_ELBO(bound=bound, max_plate_nesting=1),
+    ).step(x, y)
     pyro.clear_param_store()
     with PeakMemory() as memory:
         start = time.perf_counter()
-        guide = LinearizedGuide(model, generator="scalable", noise_dim=noise_dim,
-                                precondition=False)  # the paper's raw weight space
-        loss = LIVI_ELBO(num_particles=2, bound=bound, max_plate_nesting=1,
-                         check_vectorization=False)
+        guide = LinearizedGuide(
+            model, generator="scalable", noise_dim=noise_dim, precondition=False
+        )  # the paper's raw weight space
+        loss = LIVI_ELBO(
+            num_particles=2, bound=bound, max_plate_nesting=1, check_vectorization=False
+        )
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-4}), loss)
         svi.step(x, y)  # builds the generator and Adam's state
         setup = time.perf_counter() - start
@@ -101,32 +108,56 @@ def worker(dim, noise_dim, bound, steps, seed):
 
 
 def run(dim, noise_dim, bound, steps, seed, timeout):
-    cmd = [sys.executable, __file__, "--worker", str(dim), str(noise_dim), bound,
-           "--steps", str(steps), "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        str(dim),
+        str(noise_dim),
+        bound,
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
     except subprocess.TimeoutExpired:
-        return {"bound": bound, "latent_dim": dim, "noise_dim": noise_dim,
-                "skipped": f"longer than {timeout} s"}
+        return {
+            "bound": bound,
+            "latent_dim": dim,
+            "noise_dim": noise_dim,
+            "skipped": f"longer than {timeout} s",
+        }
     except subprocess.CalledProcessError as e:
         tail = e.stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"bound": bound, "latent_dim": dim, "noise_dim": noise_dim,
-                "skipped": f"failed: {tail[0]}"}
+        return {
+            "bound": bound,
+            "latent_dim": dim,
+            "noise_dim": noise_dim,
+            "skipped": f"failed: {tail[0]}",
+        }
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _row(r):
     if "skipped" in r:
-        return (f"| {r['bound']} | {r['latent_dim']:,} | {r['noise_dim']} | skipped: "
-                f"{r['skipped']} | | | |")
-    return (f"| {r['bound']} | {r['latent_dim']:,} | {r['noise_dim']} | "
-            f"{r['generator_params']:,} | {r['seconds_per_step']:.3f} | "
-            f"{r['setup_seconds']:.1f} | {r['peak_mb']:.0f} |")
+        return (
+            f"| {r['bound']} | {r['latent_dim']:,} | {r['noise_dim']} | skipped: "
+            f"{r['skipped']} | | | |"
+        )
+    return (
+        f"| {r['bound']} | {r['latent_dim']:,} | {r['noise_dim']} | "
+        f"{r['generator_params']:,} | {r['seconds_per_step']:.3f} | "
+        f"{r['setup_seconds']:.1f} | {r['peak_mb']:.0f} |"
+    )
 
 
 def markdown(results):
-    head = ("| bound | D | d | generator parameters | s / step | setup s | peak MB |\n"
-            "|---|---:|---:|---:|---:|---:|---:|")
+    head = (
+        "| bound | D | d | generator parameters | s / step | setup s | peak MB |\n"
+        "|---|---:|---:|---:|---:|---:|---:|"
+    )
     return "\n".join([head] + [_row(r) for r in results])
 
 
@@ -149,10 +180,14 @@ def figure(results, path):
     axes[1].legend()
     for bound, label in [("det", "L' (whole Jacobian)"), ("svd", "L'' (LOBPCG)")]:
         rows = [r for r in noise if r["bound"] == bound]
-        axes[2].loglog([r["noise_dim"] for r in rows], [r["seconds_per_step"] for r in rows],
-                       "o-", label=label)
-    axes[2].set(xlabel="noise size d", ylabel="seconds per step",
-                title=f"L' vs L'' at D = {D_FOR_NOISE_SWEEP:,}")
+        axes[2].loglog(
+            [r["noise_dim"] for r in rows], [r["seconds_per_step"] for r in rows], "o-", label=label
+        )
+    axes[2].set(
+        xlabel="noise size d",
+        ylabel="seconds per step",
+        title=f"L' vs L'' at D = {D_FOR_NOISE_SWEEP:,}",
+    )
     axes[2].legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -166,8 +201,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--dims", default=",".join(map(str, DIMS)), help="D sweep (comma-separated)")
-    p.add_argument("--noise-dims", default=",".join(map(str, NOISE_DIMS)),
-                   help="d sweep at D = 10^4 (comma-separated)")
+    p.add_argument(
+        "--noise-dims",
+        default=",".join(map(str, NOISE_DIMS)),
+        help="d sweep at D = 10^4 (comma-separated)",
+    )
     p.add_argument("--out", help="write every number to this JSON file")
     p.add_argument("--figure", help="save the three-panel figure here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one step: seconds")
@@ -192,8 +230,8 @@ def main(argv=None):
         print(_row(r), flush=True)
     print(markdown(results))
     record = {
-        "command": "python benchmarks/livi_scale.py " + " ".join(sys.argv[1:] if argv is None
-                                                                  else argv),
+        "command": "python benchmarks/livi_scale.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "steps": steps,
         "seed": args.seed,
         "threads": 1,

@@ -59,8 +59,12 @@ NOISE = 0.3
 def toy_data(seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.cat([torch.linspace(-1.28, -0.61, 38), torch.linspace(0.61, 1.28, 32)]) / 1.28
-    y = (x + 0.8 * torch.sin(2 * torch.pi * x) + 0.8 * torch.sin(4 * torch.pi * x)
-         + NOISE * torch.randn(70, generator=g, dtype=x.dtype))
+    y = (
+        x
+        + 0.8 * torch.sin(2 * torch.pi * x)
+        + 0.8 * torch.sin(4 * torch.pi * x)
+        + NOISE * torch.randn(70, generator=g, dtype=x.dtype)
+    )
     return x.unsqueeze(-1), y
 
 
@@ -79,9 +83,14 @@ def fit_svi(model, guide, loss, lr, steps, x, y, seed):
 
 
 def predictive_f(model, grid, num, guide=None, samples=None):
-    predictive = Predictive(model, guide=guide, posterior_samples=samples,
-                            num_samples=None if samples is not None else num,
-                            return_sites=["f"], parallel=True)
+    predictive = Predictive(
+        model,
+        guide=guide,
+        posterior_samples=samples,
+        num_samples=None if samples is not None else num,
+        return_sites=["f"],
+        parallel=True,
+    )
     with torch.no_grad():
         return predictive(grid)["f"].reshape(-1, grid.shape[0])
 
@@ -103,16 +112,26 @@ def main(argv=None):
     torch.set_default_dtype(torch.float64)
     x, y = toy_data(args.seed)
     grid = torch.linspace(-2.0, 2.0, 200).unsqueeze(-1)
-    model = BNNRegression(1, hidden_dims=(7, 10), activation="elu", prior_scale=1.0,
-                          precision_prior=None, noise_scale=NOISE)
+    model = BNNRegression(
+        1,
+        hidden_dims=(7, 10),
+        activation="elu",
+        prior_scale=1.0,
+        precision_prior=None,
+        noise_scale=NOISE,
+    )
     draws = 50 if args.smoke else 2000
 
     results, curves = {}, {}
     pyro.set_rng_seed(args.seed)
     start = time.perf_counter()
     kernel = NUTS(model, max_plate_nesting=1, max_tree_depth=args.max_tree_depth)
-    mcmc = MCMC(kernel, num_samples=args.nuts_samples,
-                warmup_steps=args.nuts_warmup, disable_progbar=args.smoke)
+    mcmc = MCMC(
+        kernel,
+        num_samples=args.nuts_samples,
+        warmup_steps=args.nuts_warmup,
+        disable_progbar=args.smoke,
+    )
     mcmc.run(x, y)
     nuts_seconds = time.perf_counter() - start
     samples = {k: v for k, v in mcmc.get_samples().items() if k.startswith("layer")}
@@ -124,31 +143,55 @@ def main(argv=None):
         # prior_weight != 1 warns by design (not the paper's ELBO); this row is labelled so
         warnings.filterwarnings("ignore", message=".*prior_weight.*")
         specs = {
-            "LIVI L'": (lambda: LinearizedGuide(model, noise_dim=60, hidden_dims=(105,),
-                                                init_loc_fn=init_to_sample,
-                                                precondition=False),
-                        lambda: LIVI_ELBO(num_particles=3, bound="det"), 1.5e-3),
-            "LIVI L''": (lambda: LinearizedGuide(model, noise_dim=85, hidden_dims=(100,),
-                                                 init_loc_fn=init_to_sample,
-                                                 precondition=False),
-                         lambda: LIVI_ELBO(num_particles=3, bound="svd"), 1.8e-3),
+            "LIVI L'": (
+                lambda: LinearizedGuide(
+                    model,
+                    noise_dim=60,
+                    hidden_dims=(105,),
+                    init_loc_fn=init_to_sample,
+                    precondition=False,
+                ),
+                lambda: LIVI_ELBO(num_particles=3, bound="det"),
+                1.5e-3,
+            ),
+            "LIVI L''": (
+                lambda: LinearizedGuide(
+                    model,
+                    noise_dim=85,
+                    hidden_dims=(100,),
+                    init_loc_fn=init_to_sample,
+                    precondition=False,
+                ),
+                lambda: LIVI_ELBO(num_particles=3, bound="svd"),
+                1.8e-3,
+            ),
             "LIVI L' (prior_weight=0.1)": (
-                lambda: LinearizedGuide(model, noise_dim=60, hidden_dims=(105,),
-                                        init_loc_fn=init_to_sample, precondition=False),
-                lambda: LIVI_ELBO(num_particles=3, bound="det", prior_weight=0.1), 1.5e-3),
-            "mean field": (lambda: AutoNormal(model, init_loc_fn=init_to_sample),
-                           lambda: Trace_ELBO(num_particles=3, vectorize_particles=True,
-                                              max_plate_nesting=1), 1e-2),
+                lambda: LinearizedGuide(
+                    model,
+                    noise_dim=60,
+                    hidden_dims=(105,),
+                    init_loc_fn=init_to_sample,
+                    precondition=False,
+                ),
+                lambda: LIVI_ELBO(num_particles=3, bound="det", prior_weight=0.1),
+                1.5e-3,
+            ),
+            "mean field": (
+                lambda: AutoNormal(model, init_loc_fn=init_to_sample),
+                lambda: Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1),
+                1e-2,
+            ),
         }
         for name, (make_guide, make_loss, lr) in specs.items():
             guide = make_guide()
-            losses, seconds = fit_svi(model, guide, make_loss(), lr, args.steps, x, y,
-                                      args.seed)
+            losses, seconds = fit_svi(model, guide, make_loss(), lr, args.steps, x, y, args.seed)
             curves[name] = predictive_f(model, grid, draws, guide=guide)
-            tail = losses[-max(1, args.steps // 20):]
+            tail = losses[-max(1, args.steps // 20) :]
             results[name] = {"seconds": seconds, "final_loss": sum(tail) / len(tail)}
-            print(f"{name:28s} {seconds:7.1f} s  final loss {results[name]['final_loss']:.2f}",
-                  flush=True)
+            print(
+                f"{name:28s} {seconds:7.1f} s  final loss {results[name]['final_loss']:.2f}",
+                flush=True,
+            )
 
     masks = regions(grid)
     ref = curves["NUTS"]
@@ -156,14 +199,20 @@ def main(argv=None):
         sd = f.std(0)
         results[name].update({f"sd_{k}": float(sd[m].mean()) for k, m in masks.items()})
         results[name]["mean_rmse_vs_nuts"] = float((f.mean(0) - ref.mean(0)).pow(2).mean().sqrt())
-        results[name]["sd_ratio_gap_vs_nuts"] = float((sd[masks["gap"]]
-                                                       / ref.std(0)[masks["gap"]]).mean())
-    lines = ["| method | sd of f: gap | data | outside | sd ratio to NUTS (gap) | "
-             "RMSE of mean vs NUTS | seconds |", "|---|---:|---:|---:|---:|---:|---:|"]
+        results[name]["sd_ratio_gap_vs_nuts"] = float(
+            (sd[masks["gap"]] / ref.std(0)[masks["gap"]]).mean()
+        )
+    lines = [
+        "| method | sd of f: gap | data | outside | sd ratio to NUTS (gap) | "
+        "RMSE of mean vs NUTS | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['sd_gap']:.3f} | {r['sd_data']:.3f} | "
-                     f"{r['sd_outside']:.3f} | {r['sd_ratio_gap_vs_nuts']:.2f} | "
-                     f"{r['mean_rmse_vs_nuts']:.3f} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {name} | {r['sd_gap']:.3f} | {r['sd_data']:.3f} | "
+            f"{r['sd_outside']:.3f} | {r['sd_ratio_gap_vs_nuts']:.2f} | "
+            f"{r['mean_rmse_vs_nuts']:.3f} | {r['seconds']:.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
 
@@ -181,10 +230,22 @@ def main(argv=None):
             f = curves[name]
             mean, sd = f.mean(0), f.std(0)
             total = (sd.pow(2) + NOISE**2).sqrt()
-            ax.fill_between(xs, mean - 2 * total, mean + 2 * total, color="tab:blue",
-                            alpha=0.15, label="epistemic + noise")
-            ax.fill_between(xs, mean - 2 * sd, mean + 2 * sd, color="tab:blue", alpha=0.4,
-                            label="epistemic (2 sd of f)")
+            ax.fill_between(
+                xs,
+                mean - 2 * total,
+                mean + 2 * total,
+                color="tab:blue",
+                alpha=0.15,
+                label="epistemic + noise",
+            )
+            ax.fill_between(
+                xs,
+                mean - 2 * sd,
+                mean + 2 * sd,
+                color="tab:blue",
+                alpha=0.4,
+                label="epistemic (2 sd of f)",
+            )
             ax.plot(xs, mean, color="tab:blue", lw=1.5)
             ax.plot(xs, truth, "k--", lw=1)
             ax.scatter(x[:, 0], y, s=8, c="k", zorder=3)
@@ -195,8 +256,8 @@ def main(argv=None):
         fig.savefig(args.figure, dpi=110)
 
     record = {
-        "command": "python benchmarks/livi_toy.py " + " ".join(sys.argv[1:] if argv is None
-                                                                else argv),
+        "command": "python benchmarks/livi_toy.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "figure")},
         "nuts": {"num_samples": args.nuts_samples, "warmup_steps": args.nuts_warmup},
         "results": results,

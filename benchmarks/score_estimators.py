@@ -72,19 +72,27 @@ def main():
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     print("# Score estimators of a Gaussian q from 100 draws\n")
-    print("`python benchmarks/score_estimators.py`. Cells: relative error of the score / "
-          "of the entropy gradient, mean of 5 draws of A.\n")
+    print(
+        "`python benchmarks/score_estimators.py`. Cells: relative error of the score / "
+        "of the entropy gradient, mean of 5 draws of A.\n"
+    )
     print("| estimator | setting | d = 2 | d = 10 | d = 50 |")
     print("|---|---|---|---|---|")
     for scale in (0.5, 1.0, 2.0):
         for j in (6, 12, 25, 50):
             cells = [errors(lambda x, j=j, s=scale: ssge(x, j, s), d) for d in (2, 10, 50)]
-            print(f"| SSGE | scale {scale}, J = {j} | "
-                  + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
+            print(
+                f"| SSGE | scale {scale}, J = {j} | "
+                + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
+                + " |"
+            )
         for eta in (1e-3, 1e-2, 1e-1, 1.0):
             cells = [errors(lambda x, e=eta, s=scale: stein(x, e, s), d) for d in (2, 10, 50)]
-            print(f"| Stein | scale {scale}, eta = {eta:g} | "
-                  + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
+            print(
+                f"| Stein | scale {scale}, eta = {eta:g} | "
+                + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
+                + " |"
+            )
 
 
 def kl_gradients(dims=(2, 10, 50), num=100, reps=100, seed=0):
@@ -126,13 +134,16 @@ def main_kl():
     print("# The gradient of KL(q || N(0, I)) for q near its contrast, from 100 draws\n")
     import subprocess
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    print(f"`python benchmarks/score_estimators.py --kl` (commit {commit}; float64, one "
-          "thread, seed 0). q = "
-          "N(0, A A^T), A = I + 0.3 G / sqrt(d); exact gradient A - A^{-T}. Cells: median "
-          "relative error of one estimate, and relative error of the mean of 100 estimates "
-          "(the bias). A zero gradient scores 1.00 in both columns.\n")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"`python benchmarks/score_estimators.py --kl` (commit {commit}; float64, one "
+        "thread, seed 0). q = "
+        "N(0, A A^T), A = I + 0.3 G / sqrt(d); exact gradient A - A^{-T}. Cells: median "
+        "relative error of one estimate, and relative error of the mean of 100 estimates "
+        "(the bias). A zero gradient scores 1.00 in both columns.\n"
+    )
     print("| d | estimator | median error | bias |")
     print("|---:|---|---:|---:|")
     for dim, key, med, bias in kl_gradients():

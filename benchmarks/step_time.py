@@ -76,8 +76,10 @@ def main(argv=None):
                 svi.step(x, y, subsample_size=100)
             times[name].append(1000 * (time.perf_counter() - start) / args.steps)
     base = min(times["autonormal"])
-    print(f"Boston BNN 13-50-1, batch 100, S = {args.particles} particles, "
-          f"{args.threads} thread(s), best of {args.repeats} x {args.steps} steps")
+    print(
+        f"Boston BNN 13-50-1, batch 100, S = {args.particles} particles, "
+        f"{args.threads} thread(s), best of {args.repeats} x {args.steps} steps"
+    )
     print("| method | ms / step (best) | all repeats | ratio to AutoNormal |")
     print("|---|---:|---|---:|")
     for name in names:

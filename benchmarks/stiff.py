@@ -180,10 +180,10 @@ def raw_scale_design():
     units: nothing centred or standardised); y = X beta + N(0, 1)."""
     g = _generator(1)
     n = 100
-    corr = torch.tensor([[1.0, 0.6, 0.5, 0.7],
-                         [0.6, 1.0, 0.6, 0.5],
-                         [0.5, 0.6, 1.0, 0.8],
-                         [0.7, 0.5, 0.8, 1.0]], dtype=torch.float64)
+    corr = torch.tensor(
+        [[1.0, 0.6, 0.5, 0.7], [0.6, 1.0, 0.6, 0.5], [0.5, 0.6, 1.0, 0.8], [0.7, 0.5, 0.8, 1.0]],
+        dtype=torch.float64,
+    )
     z = _randn(g, n, 4) @ torch.linalg.cholesky(corr).T
     scales = torch.tensor(RAW_SCALES, dtype=torch.float64)
     x = scales * (2.0 + z)
@@ -261,8 +261,9 @@ def gp_hyperparameters_model(x, y):
     ls, amp, noise = (v[..., None, None] for v in (ls, amp, noise))
     eye = torch.eye(x.shape[0], dtype=x.dtype)
     cov = amp.pow(2) * torch.exp(-0.5 * d2 / ls.pow(2)) + (noise.pow(2) + GP_JITTER) * eye
-    pyro.sample("obs", dist.MultivariateNormal(x.new_zeros(x.shape[0]), covariance_matrix=cov),
-                obs=y)
+    pyro.sample(
+        "obs", dist.MultivariateNormal(x.new_zeros(x.shape[0]), covariance_matrix=cov), obs=y
+    )
 
 
 def gp_hyperparameters():
@@ -434,8 +435,7 @@ def _gold_raw_scale():
         beta = (r_inv * (z_hat + d["u"])[..., None, :]).sum(-1)
         return {"beta": beta, "sigma": d["sigma"]}
 
-    return (_raw_scale_whitened_model, (x, y, r_inv, z_hat), {}, 1, to_target,
-            _nuts_kwargs(0.9))
+    return (_raw_scale_whitened_model, (x, y, r_inv, z_hat), {}, 1, to_target, _nuts_kwargs(0.9))
 
 
 def _sv_path(mu, phi, sigma, h_std):
@@ -545,11 +545,16 @@ def exact_draws(name, num):
 
 def git_commit():
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
     return head, bool(dirty)
@@ -557,8 +562,13 @@ def git_commit():
 
 def _summary(metrics):
     j = metrics["joint"]
-    keys = ("mean_error_max", "sd_ratio_min", "sd_ratio_max", "energy_distance",
-            "correlation_error_max")
+    keys = (
+        "mean_error_max",
+        "sd_ratio_min",
+        "sd_ratio_max",
+        "energy_distance",
+        "correlation_error_max",
+    )
     return {k: j[k] for k in keys}
 
 
@@ -589,9 +599,18 @@ def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
     """Run the gold NUTS of model ``name``, save it under :data:`REFERENCE_DIR` and return
     its metadata."""
     gold_model, args, kwargs, mpn, to_target, nuts_kwargs = GOLD[name]()
-    result = run_nuts(gold_model, *args, num_samples=num_samples, warmup_steps=warmup_steps,
-                      num_chains=num_chains, seed=seed, max_plate_nesting=mpn,
-                      progress_bar=False, nuts_kwargs=nuts_kwargs, **kwargs)
+    result = run_nuts(
+        gold_model,
+        *args,
+        num_samples=num_samples,
+        warmup_steps=warmup_steps,
+        num_chains=num_chains,
+        seed=seed,
+        max_plate_nesting=mpn,
+        progress_bar=False,
+        nuts_kwargs=nuts_kwargs,
+        **kwargs,
+    )
     by_chain = {k: v.detach() for k, v in to_target(result.samples_by_chain).items()}
     # same sites, same order as the benchmark model
     model, margs, mkwargs, _ = MODELS[name]()
@@ -603,16 +622,21 @@ def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
     draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()}
     half = num_chains // 2
     first = {k: v[:half].reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()}
-    second = {k: v[half:2 * half].reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()}
+    second = {k: v[half : 2 * half].reshape((-1,) + v.shape[2:]) for k, v in by_chain.items()}
     floor = compare_samples(first, second)
     r_hat, ess = _diagnostics(by_chain)
     commit, dirty = git_commit()
     meta = {
         "model": name,
         "gold_form": GOLD_FORM.get(name, "the benchmark model itself"),
-        "settings": {"num_chains": num_chains, "num_samples": num_samples,
-                     "warmup_steps": warmup_steps, "nuts_kwargs": nuts_kwargs,
-                     "dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads()},
+        "settings": {
+            "num_chains": num_chains,
+            "num_samples": num_samples,
+            "warmup_steps": warmup_steps,
+            "nuts_kwargs": nuts_kwargs,
+            "dtype": str(torch.get_default_dtype()),
+            "threads": torch.get_num_threads(),
+        },
         "seed": seed,
         "chain_seeds": result.seeds,
         "r_hat_max": r_hat,
@@ -632,8 +656,7 @@ def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
     }
     exact = exact_draws(name, num_chains * num_samples)
     if exact is not None:
-        meta["exact_check"] = _summary(compare_samples(draws, {k: _f(v) for k, v in
-                                                               exact.items()}))
+        meta["exact_check"] = _summary(compare_samples(draws, {k: _f(v) for k, v in exact.items()}))
     REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
     torch.save({"draws_by_chain": by_chain, "meta": meta}, reference_path(name))
     return meta
@@ -645,7 +668,8 @@ def load_reference(name):
     if not path.exists():
         raise FileNotFoundError(
             f"no NUTS reference for {name} at {path}: run "
-            f"`python benchmarks/stiff.py --reference --models {name}` first")
+            f"`python benchmarks/stiff.py --reference --models {name}` first"
+        )
     blob = torch.load(path, weights_only=False)
     draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in blob["draws_by_chain"].items()}
     return draws, blob["meta"]
@@ -653,15 +677,19 @@ def load_reference(name):
 
 def _reference_line(meta):
     f = meta["noise_floor"]
-    line = (f"{meta['model']}: r_hat max {meta['r_hat_max']:.4f}, min ESS {meta['ess_min']:.0f}, "
-            f"{meta['divergences']} divergences, {meta['wall_time']:.0f} s; noise floor: mean "
-            f"err {f['mean_error_max']:.3f}, sd ratio {f['sd_ratio_min']:.3f}-"
-            f"{f['sd_ratio_max']:.3f}, energy {f['energy_distance']:.4f}")
+    line = (
+        f"{meta['model']}: r_hat max {meta['r_hat_max']:.4f}, min ESS {meta['ess_min']:.0f}, "
+        f"{meta['divergences']} divergences, {meta['wall_time']:.0f} s; noise floor: mean "
+        f"err {f['mean_error_max']:.3f}, sd ratio {f['sd_ratio_min']:.3f}-"
+        f"{f['sd_ratio_max']:.3f}, energy {f['energy_distance']:.4f}"
+    )
     if "exact_check" in meta:
         e = meta["exact_check"]
-        line += (f"; vs exact: mean err {e['mean_error_max']:.3f}, sd ratio "
-                 f"{e['sd_ratio_min']:.3f}-{e['sd_ratio_max']:.3f}, energy "
-                 f"{e['energy_distance']:.4f}")
+        line += (
+            f"; vs exact: mean err {e['mean_error_max']:.3f}, sd ratio "
+            f"{e['sd_ratio_min']:.3f}-{e['sd_ratio_max']:.3f}, energy "
+            f"{e['energy_distance']:.4f}"
+        )
     return line
 
 
@@ -674,6 +702,7 @@ OUR_METHODS = ("kivi", "stein_score", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
 PYRO_METHODS = ("autonormal", "automvn", "autoiaf")
 ALL_METHODS = OUR_METHODS + PYRO_METHODS
 
+
 class NotAvailable(Exception):
     """The installed library has no ``precondition`` keyword for this method."""
 
@@ -685,8 +714,11 @@ def _accepts(fn, name):
         return False
 
 
-_AUTOGUIDES = {"autonormal": AutoNormal, "automvn": AutoMultivariateNormal,
-               "autoiaf": AutoIAFNormal}
+_AUTOGUIDES = {
+    "autonormal": AutoNormal,
+    "automvn": AutoMultivariateNormal,
+    "autoiaf": AutoIAFNormal,
+}
 
 
 def build_method(method, model, mpn, optim, precondition):
@@ -717,8 +749,10 @@ def build_method(method, model, mpn, optim, precondition):
 
 def method_description(method):
     if method in _AUTOGUIDES:
-        return (f"{_AUTOGUIDES[method].__name__} + Trace_ELBO(num_particles=8, "
-                "vectorize_particles=True)")
+        return (
+            f"{_AUTOGUIDES[method].__name__} + Trace_ELBO(num_particles=8, "
+            "vectorize_particles=True)"
+        )
     return METHODS[method].description
 
 
@@ -726,8 +760,12 @@ def _warm_up(model, args, kwargs, mpn):
     """One throw-away AutoNormal step so the first timed fit carries no one-off costs."""
     pyro.clear_param_store()
     with poutine.block():
-        SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 1e-3}),
-            Trace_ELBO(max_plate_nesting=mpn)).step(*args, **kwargs)
+        SVI(
+            model,
+            AutoNormal(model),
+            pyro.optim.Adam({"lr": 1e-3}),
+            Trace_ELBO(max_plate_nesting=mpn),
+        ).step(*args, **kwargs)
     pyro.clear_param_store()
 
 
@@ -741,7 +779,8 @@ def ksd_coordinates(model_name):
         model, args, kwargs, mpn = MODELS[model_name]()
         with torch.random.fork_rng():
             _KSD_COORDINATES[model_name] = model_preconditioner(
-                model, *args, max_plate_nesting=mpn, **kwargs)
+                model, *args, max_plate_nesting=mpn, **kwargs
+            )
     return _KSD_COORDINATES[model_name]
 
 
@@ -751,32 +790,49 @@ def diagnostics(model_name, draws, fitted=None, seed=0):
     model, args, kwargs, mpn = MODELS[model_name]()
     out = {}
     start = time.perf_counter()
-    ksd = stein_discrepancy(model, draws, *args, preconditioner=ksd_coordinates(model_name),
-                            max_plate_nesting=mpn, **kwargs)
-    out.update(ksd=ksd.ksd, ksd_squared_unbiased=ksd.ksd_squared_unbiased,
-               ksd_noise_level=ksd.noise_level, ksd_seconds=time.perf_counter() - start)
+    ksd = stein_discrepancy(
+        model,
+        draws,
+        *args,
+        preconditioner=ksd_coordinates(model_name),
+        max_plate_nesting=mpn,
+        **kwargs,
+    )
+    out.update(
+        ksd=ksd.ksd,
+        ksd_squared_unbiased=ksd.ksd_squared_unbiased,
+        ksd_noise_level=ksd.noise_level,
+        ksd_seconds=time.perf_counter() - start,
+    )
     if fitted is not None:
         start = time.perf_counter()
         pyro.set_rng_seed(seed)
         try:
-            out["k_hat"] = psis_diagnostic(model, fitted, *args, num_samples=1000,
-                                           max_plate_nesting=mpn, **kwargs)
+            out["k_hat"] = psis_diagnostic(
+                model, fitted, *args, num_samples=1000, max_plate_nesting=mpn, **kwargs
+            )
         except TypeError:
             out["k_hat"] = None  # no log-density (an implicit guide)
         out["k_hat_seconds"] = time.perf_counter() - start
     return out
 
 
-def fit_one(model_name, method, precondition, steps, seed, num_draws, lr, reference,
-            with_diagnostics=False):
+def fit_one(
+    model_name, method, precondition, steps, seed, num_draws, lr, reference, with_diagnostics=False
+):
     """Fit one (model, method, precondition) and score it against ``reference``.
 
     :return: a result row (a dict of plain values).
     """
     model, args, kwargs, mpn = MODELS[model_name]()
-    row = {"model": model_name, "method": method,
-           "precondition": None if method in PYRO_METHODS else bool(precondition),
-           "steps": steps, "lr": lr, "seed": seed}
+    row = {
+        "model": model_name,
+        "method": method,
+        "precondition": None if method in PYRO_METHODS else bool(precondition),
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+    }
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     optim = pyro.optim.Adam({"lr": lr})
@@ -801,27 +857,41 @@ def fit_one(model_name, method, precondition, steps, seed, num_draws, lr, refere
             losses.append(float(out))
         fit_time = time.perf_counter() - start
         start = time.perf_counter()
-        draws, _ = posterior_draws(obj, model, args, kwargs, num_draws, mpn,
-                                   latent_shapes(model, *args, **kwargs))
+        draws, _ = posterior_draws(
+            obj, model, args, kwargs, num_draws, mpn, latent_shapes(model, *args, **kwargs)
+        )
         draw_time = time.perf_counter() - start
         if with_diagnostics:
             row.update(diagnostics(model_name, draws, obj if kind == "svi" else None, seed))
     except (ValueError, RuntimeError, AssertionError) as e:
-        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}",
-                   failed_at_step=len(losses), fit_seconds=time.perf_counter() - start)
+        row.update(
+            status="error",
+            error=f"{type(e).__name__}: {str(e)[:300]}",
+            failed_at_step=len(losses),
+            fit_seconds=time.perf_counter() - start,
+        )
         return row
     finally:
         pyro.clear_param_store()
     metrics = compare_samples(draws, reference, sites=list(reference))
-    window = losses[-max(1, steps // 10):]
-    row.update(status="ok", fit_seconds=fit_time, draw_seconds=draw_time,
-               num_draws=int(next(iter(draws.values())).shape[0]),
-               final_loss=sum(window) / len(window), **_summary(metrics),
-               nonfinite_draws=int(sum((~torch.isfinite(v)).sum() for v in draws.values())),
-               sites={k: {"mean_error_max": v["mean_error_max"],
-                          "sd_ratio_min": v["sd_ratio_min"],
-                          "sd_ratio_max": v["sd_ratio_max"]}
-                      for k, v in metrics["sites"].items()})
+    window = losses[-max(1, steps // 10) :]
+    row.update(
+        status="ok",
+        fit_seconds=fit_time,
+        draw_seconds=draw_time,
+        num_draws=int(next(iter(draws.values())).shape[0]),
+        final_loss=sum(window) / len(window),
+        **_summary(metrics),
+        nonfinite_draws=int(sum((~torch.isfinite(v)).sum() for v in draws.values())),
+        sites={
+            k: {
+                "mean_error_max": v["mean_error_max"],
+                "sd_ratio_min": v["sd_ratio_min"],
+                "sd_ratio_max": v["sd_ratio_max"],
+            }
+            for k, v in metrics["sites"].items()
+        },
+    )
     return row
 
 
@@ -843,14 +913,16 @@ def _fit_line(row):
     head = f"{row['model']:<24} {row['method'] + tag:<15}"
     if row["status"] != "ok":
         return f"{head} {row['status']}: {row.get('error', '')}"
-    return (f"{head} mean err {_num(row['mean_error_max'], '.3f')} "
-            f"(x{_num(row['floor_ratio'], '.1f')} floor, x{_num(row['iid_floor_ratio'], '.1f')} "
-            "iid), sd ratio "
-            f"{_num(row['sd_ratio_min'], '.2f')}-{_num(row['sd_ratio_max'], '.2f')}, energy "
-            f"{_num(row['energy_distance'], '.3f')}, corr err "
-            f"{_num(row['correlation_error_max'], '.2f')}, fit {row['fit_seconds']:.1f} s"
-            + (f", KSD {row['ksd']:.4f}" if "ksd" in row else "")
-            + (f", k-hat {row['k_hat']:.2f}" if row.get("k_hat") is not None else ""))
+    return (
+        f"{head} mean err {_num(row['mean_error_max'], '.3f')} "
+        f"(x{_num(row['floor_ratio'], '.1f')} floor, x{_num(row['iid_floor_ratio'], '.1f')} "
+        "iid), sd ratio "
+        f"{_num(row['sd_ratio_min'], '.2f')}-{_num(row['sd_ratio_max'], '.2f')}, energy "
+        f"{_num(row['energy_distance'], '.3f')}, corr err "
+        f"{_num(row['correlation_error_max'], '.2f')}, fit {row['fit_seconds']:.1f} s"
+        + (f", KSD {row['ksd']:.4f}" if "ksd" in row else "")
+        + (f", k-hat {row['k_hat']:.2f}" if row.get("k_hat") is not None else "")
+    )
 
 
 def markdown(record):
@@ -884,10 +956,12 @@ def markdown(record):
         lines.append(
             f"| {name} | NUTS halves | - | {f['mean_error_max']:.3f} | 1 | | "
             f"{f['sd_ratio_min']:.2f}-{f['sd_ratio_max']:.2f} | {f['energy_distance']:.4f} | "
-            f"{f['correlation_error_max']:.2f} | {ref['wall_time']:.0f} |")
+            f"{f['correlation_error_max']:.2f} | {ref['wall_time']:.0f} |"
+        )
         if "iid_floor_mean_error" in ref:
-            lines.append(f"| {name} | iid floor | - | {ref['iid_floor_mean_error']:.3f} | | 1 "
-                         "| | | | |")
+            lines.append(
+                f"| {name} | iid floor | - | {ref['iid_floor_mean_error']:.3f} | | 1 | | | | |"
+            )
         for row in record["results"]:
             if row["model"] != name:
                 continue
@@ -900,7 +974,8 @@ def markdown(record):
                 f"{_num(row['floor_ratio'], '.1f')} | {_num(row['iid_floor_ratio'], '.1f')} | "
                 f"{_num(row['sd_ratio_min'], '.2f')}-"
                 f"{_num(row['sd_ratio_max'], '.2f')} | {_num(row['energy_distance'], '.4f')} | "
-                f"{_num(row['correlation_error_max'], '.2f')} | {row['fit_seconds']:.1f} |")
+                f"{_num(row['correlation_error_max'], '.2f')} | {row['fit_seconds']:.1f} |"
+            )
     lines += ["", "NUTS references (gold runs; r_hat and ESS on the benchmark's sites):", ""]
     for name, ref in record["references"].items():
         lines.append(f"- {_reference_line(ref)}; gold form: {ref['gold_form']}")
@@ -931,17 +1006,33 @@ def _json_default(v):
 
 
 def _reference_meta_for_record(meta):
-    keep = ("model", "gold_form", "settings", "seed", "r_hat_max", "ess_min", "divergences",
-            "divergences_by_chain",
-            "wall_time", "noise_floor", "exact_check", "git_commit", "command", "date")
+    keep = (
+        "model",
+        "gold_form",
+        "settings",
+        "seed",
+        "r_hat_max",
+        "ess_min",
+        "divergences",
+        "divergences_by_chain",
+        "wall_time",
+        "noise_floor",
+        "exact_check",
+        "git_commit",
+        "command",
+        "date",
+    )
     return {k: meta[k] for k in keep if k in meta}
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=None, help="comma-separated, or all (default: all; "
-                   f"--quick: {','.join(QUICK_MODELS)})")
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated, or all (default: all; --quick: {','.join(QUICK_MODELS)})",
+    )
     p.add_argument("--methods", default="all", help=f"comma-separated from {ALL_METHODS}, or all")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--precondition", choices=["off", "on", "both"], default="both")
@@ -950,19 +1041,31 @@ def main(argv=None):
     p.add_argument("--draws", type=int, default=2000, help="posterior draws per guide")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--markdown", help="results table (Markdown)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 200 steps, 500 draws, two models unless --models")
-    p.add_argument("--reference", action="store_true",
-                   help="run and cache the NUTS gold standards instead of fitting methods")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 200 steps, 500 draws, two models unless --models",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="run and cache the NUTS gold standards instead of fitting methods",
+    )
     p.add_argument("--chains", type=int, default=NUTS_DEFAULTS["num_chains"])
-    p.add_argument("--nuts-draws", type=int, default=None,
-                   help=f"draws per chain (default {NUTS_DEFAULTS['num_samples']}; "
-                   f"per model: {NUTS_DRAWS})")
+    p.add_argument(
+        "--nuts-draws",
+        type=int,
+        default=None,
+        help=f"draws per chain (default {NUTS_DEFAULTS['num_samples']}; per model: {NUTS_DRAWS})",
+    )
     p.add_argument("--warmup", type=int, default=NUTS_DEFAULTS["warmup_steps"])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--diagnostics", action="store_true",
-                   help="also the Stein discrepancy of every fit and of the NUTS gold draws, "
-                   "and PSIS k-hat where the guide has a log-density")
+    p.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="also the Stein discrepancy of every fit and of the NUTS gold draws, "
+        "and PSIS k-hat where the guide has a log-density",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float64)
@@ -975,8 +1078,9 @@ def main(argv=None):
     if args.reference:
         for name in models:
             draws = args.nuts_draws or NUTS_DRAWS.get(name, NUTS_DEFAULTS["num_samples"])
-            _log(f"NUTS {name}: {args.chains} chains x {draws} draws after "
-                 f"{args.warmup} warmup ...")
+            _log(
+                f"NUTS {name}: {args.chains} chains x {draws} draws after {args.warmup} warmup ..."
+            )
             meta = run_reference(name, args.chains, draws, args.warmup, args.seed, command)
             _log(_reference_line(meta))
         return None
@@ -994,13 +1098,22 @@ def main(argv=None):
         "git_dirty": dirty,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, Python {platform.python_version()}, "
-                   f"torch {torch.__version__}, pyro {pyro.__version__}",
+        f"torch {torch.__version__}, pyro {pyro.__version__}",
         "methods": {m: method_description(m) for m in methods},
-        "settings": {"models": models, "methods": methods, "steps": args.steps,
-                     "precondition": args.precondition, "seed": args.seed, "lr": args.lr,
-                     "optimizer": "pyro.optim.Adam", "num_draws": args.draws,
-                     "dtype": "float64", "threads": args.threads, "quick": args.quick,
-                     "diagnostics": args.diagnostics},
+        "settings": {
+            "models": models,
+            "methods": methods,
+            "steps": args.steps,
+            "precondition": args.precondition,
+            "seed": args.seed,
+            "lr": args.lr,
+            "optimizer": "pyro.optim.Adam",
+            "num_draws": args.draws,
+            "dtype": "float64",
+            "threads": args.threads,
+            "quick": args.quick,
+            "diagnostics": args.diagnostics,
+        },
         "references": {n: _reference_meta_for_record(m) for n, (_, m) in references.items()},
         "notes": {n: REFERENCE_NOTES.get(n, "") for n in models},
         "results": [],
@@ -1030,16 +1143,25 @@ def main(argv=None):
             record["references"][name]["diagnostics"] = gold
             _log(f"  NUTS gold KSD {gold['ksd']:.4f} (noise level {gold['ksd_noise_level']:.4f})")
         for method in methods:
-            for pre in ([None] if method in PYRO_METHODS else switch):
-                row = fit_one(name, method, bool(pre), args.steps, args.seed, args.draws,
-                              args.lr, ref_draws, with_diagnostics=args.diagnostics)
+            for pre in [None] if method in PYRO_METHODS else switch:
+                row = fit_one(
+                    name,
+                    method,
+                    bool(pre),
+                    args.steps,
+                    args.seed,
+                    args.draws,
+                    args.lr,
+                    ref_draws,
+                    with_diagnostics=args.diagnostics,
+                )
                 row["nuts_wall_time"] = meta["wall_time"]
                 if row["status"] == "ok":
-                    row["floor_ratio"] = (row["mean_error_max"] / floor if floor > 0
-                                          else math.inf)
+                    row["floor_ratio"] = row["mean_error_max"] / floor if floor > 0 else math.inf
                     # against the iid floor of the row's own draw count (wsvgd: particles)
-                    row["iid_floor"] = iid_mean_error_floor(num_coords, row["num_draws"],
-                                                            meta["ess_min"])
+                    row["iid_floor"] = iid_mean_error_floor(
+                        num_coords, row["num_draws"], meta["ess_min"]
+                    )
                     row["iid_floor_ratio"] = row["mean_error_max"] / row["iid_floor"]
                 record["results"].append(row)
                 _log(_fit_line(row))

@@ -50,8 +50,7 @@ def _finite(x):
 
 
 def is_good(row, good):
-    return (row["mean_error_max"] < good and row["sd_ratio_min"] > 0.7
-            and row["sd_ratio_max"] < 1.3)
+    return row["mean_error_max"] < good and row["sd_ratio_min"] > 0.7 and row["sd_ratio_max"] < 1.3
 
 
 def _label(row):
@@ -74,8 +73,9 @@ def correlations(record):
                     out[model][name, error] = (math.nan, len(pairs))
                     continue
                 big = 1e300  # rank inf last
-                rho = spearmanr([min(d, big) for d, _ in pairs],
-                                [min(e, big) for _, e in pairs]).statistic
+                rho = spearmanr(
+                    [min(d, big) for d, _ in pairs], [min(e, big) for _, e in pairs]
+                ).statistic
                 out[model][name, error] = (float(rho), len(pairs))
     return out
 
@@ -83,14 +83,21 @@ def correlations(record):
 def rule_table(record, good):
     """Confusion counts of the rules over every fit of every model."""
     rules = {
-        "KSD <= 1.5 x NUTS KSD": lambda r, g: _ratio(r.get("ksd"), g.get("ksd")) is not None
-        and _ratio(r.get("ksd"), g.get("ksd")) <= 1.5,
-        "KSD <= 2 x NUTS KSD": lambda r, g: _ratio(r.get("ksd"), g.get("ksd")) is not None
-        and _ratio(r.get("ksd"), g.get("ksd")) <= 2.0,
-        "KSD / noise level <= 1.5": lambda r, g: _ratio(r.get("ksd"), r.get("ksd_noise_level"))
-        is not None and _ratio(r.get("ksd"), r.get("ksd_noise_level")) <= 1.5,
-        "k-hat <= 0.7 (guides with a density)": lambda r, g: _finite(r.get("k_hat"))
-        and r["k_hat"] <= 0.7,
+        "KSD <= 1.5 x NUTS KSD": lambda r, g: (
+            _ratio(r.get("ksd"), g.get("ksd")) is not None
+            and _ratio(r.get("ksd"), g.get("ksd")) <= 1.5
+        ),
+        "KSD <= 2 x NUTS KSD": lambda r, g: (
+            _ratio(r.get("ksd"), g.get("ksd")) is not None
+            and _ratio(r.get("ksd"), g.get("ksd")) <= 2.0
+        ),
+        "KSD / noise level <= 1.5": lambda r, g: (
+            _ratio(r.get("ksd"), r.get("ksd_noise_level")) is not None
+            and _ratio(r.get("ksd"), r.get("ksd_noise_level")) <= 1.5
+        ),
+        "k-hat <= 0.7 (guides with a density)": lambda r, g: (
+            _finite(r.get("k_hat")) and r["k_hat"] <= 0.7
+        ),
     }
     out = {}
     for name, rule in rules.items():
@@ -135,7 +142,8 @@ def markdown(record, source, good):
         "",
         "## Rank correlation with the mean error, per model (Spearman rho over its fits)",
         "",
-        "| model | fits | " + " | ".join(f"{d} ~ {e}" for d in DIAGNOSTICS for e in ERRORS)
+        "| model | fits | "
+        + " | ".join(f"{d} ~ {e}" for d in DIAGNOSTICS for e in ERRORS)
         + " | NUTS KSD (noise level) |",
         "|---|---:|" + "---:|" * (len(DIAGNOSTICS) * len(ERRORS)) + "---:|",
     ]
@@ -145,17 +153,23 @@ def markdown(record, source, good):
         gold = ref.get("diagnostics", {})
         n = max(v[1] for v in corr[model].values())
         cells = [_num(corr[model][c][0], ".2f") for c in columns]
-        lines.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {_num(gold.get('ksd'))} "
-                     f"({_num(gold.get('ksd_noise_level'))}) |")
+        lines.append(
+            f"| {model} | {n} | " + " | ".join(cells) + f" | {_num(gold.get('ksd'))} "
+            f"({_num(gold.get('ksd_noise_level'))}) |"
+        )
     med = {}
     for c in columns:
         vals = sorted(corr[m][c][0] for m in corr if math.isfinite(corr[m][c][0]))
         med[c] = (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2 if vals else math.nan
-    lines.append("| median over models | | " + " | ".join(_num(med[c], ".2f")
-                                                        for c in columns) + " | |")
-    lines += ["", "k-hat is ranked over the 7 fits per model with a log-density (sivi, livi "
-              "with and without the preconditioner, Pyro's three guides); the KSD columns over "
-              "every fit that finished."]
+    lines.append(
+        "| median over models | | " + " | ".join(_num(med[c], ".2f") for c in columns) + " | |"
+    )
+    lines += [
+        "",
+        "k-hat is ranked over the 7 fits per model with a log-density (sivi, livi "
+        "with and without the preconditioner, Pyro's three guides); the KSD columns over "
+        "every fit that finished.",
+    ]
     lines += [
         "",
         "## Picking a fit by KSD alone",
@@ -165,30 +179,38 @@ def markdown(record, source, good):
         "|---|---|---:|---:|---|---:|",
     ]
     for model in record["references"]:
-        rows = [r for r in record["results"] if r["model"] == model and r["status"] == "ok"
-                and _finite(r.get("ksd"))]
+        rows = [
+            r
+            for r in record["results"]
+            if r["model"] == model and r["status"] == "ok" and _finite(r.get("ksd"))
+        ]
         if not rows:
             continue
         by_error = sorted(rows, key=lambda r: r["mean_error_max"])
         chosen = min(rows, key=lambda r: r["ksd"])
-        lines.append(f"| {model} | {_label(chosen)} | {_num(chosen['mean_error_max'])} | "
-                     f"{by_error.index(chosen) + 1} of {len(rows)} | {_label(by_error[0])} | "
-                     f"{_num(by_error[0]['mean_error_max'])} |")
+        lines.append(
+            f"| {model} | {_label(chosen)} | {_num(chosen['mean_error_max'])} | "
+            f"{by_error.index(chosen) + 1} of {len(rows)} | {_label(by_error[0])} | "
+            f"{_num(by_error[0]['mean_error_max'])} |"
+        )
     lines += [
         "",
-        f"## Rules of thumb over all fits (good: mean err < {good} sd, sd ratios in "
-        "[0.7, 1.3])",
+        f"## Rules of thumb over all fits (good: mean err < {good} sd, sd ratios in [0.7, 1.3])",
         "",
         "| rule | passes, good | passes, bad | fails, good | fails, bad |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, c in rule_table(record, good).items():
-        lines.append(f"| {name} | {c['pass_good']} | {c['pass_bad']} | {c['fail_good']} | "
-                     f"{c['fail_bad']} |")
-    lines += ["", "## Every fit", "",
-              "| model | method | mean err | sd ratio | KSD | KSD / noise | KSD / NUTS | "
-              "k-hat | good |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines.append(
+            f"| {name} | {c['pass_good']} | {c['pass_bad']} | {c['fail_good']} | {c['fail_bad']} |"
+        )
+    lines += [
+        "",
+        "## Every fit",
+        "",
+        "| model | method | mean err | sd ratio | KSD | KSD / noise | KSD / NUTS | k-hat | good |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in record["results"]:
         gold = record["references"][r["model"]].get("diagnostics", {})
         if r["status"] != "ok":
@@ -200,15 +222,20 @@ def markdown(record, source, good):
             f"{_num(r.get('ksd'), '.4g')} | "
             f"{_num(_ratio(r.get('ksd'), r.get('ksd_noise_level')), '.2f')} | "
             f"{_num(_ratio(r.get('ksd'), gold.get('ksd')), '.2f')} | "
-            f"{_num(r.get('k_hat'), '.2f')} | {'yes' if is_good(r, good) else 'no'} |")
+            f"{_num(r.get('k_hat'), '.2f')} | {'yes' if is_good(r, good) else 'no'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", help="output of benchmarks/stiff.py --diagnostics")
-    p.add_argument("--good", type=float, default=0.3,
-                   help="largest mean error (NUTS sds) of a good fit (default 0.3)")
+    p.add_argument(
+        "--good",
+        type=float,
+        default=0.3,
+        help="largest mean error (NUTS sds) of a good fit (default 0.3)",
+    )
     p.add_argument("--markdown", help="write the report here (default: stdout)")
     args = p.parse_args(argv)
     record = json.loads(Path(args.json).read_text())

@@ -51,17 +51,23 @@ def merge(paths):
         notes.update(record.get("notes", {}))
     first = json.loads(pathlib.Path(paths[0]).read_text())
     order = list(references)
-    merged = dict(first, references={n: references[n] for n in order}, notes=notes,
-                  results=sorted(rows.values(), key=lambda r: (order.index(r["model"]),
-                                                                r["method"])))
+    merged = dict(
+        first,
+        references={n: references[n] for n in order},
+        notes=notes,
+        results=sorted(rows.values(), key=lambda r: (order.index(r["model"]), r["method"])),
+    )
     return merged, runs
 
 
 def goals(record):
-    lines = ["## The issue's goals", "",
-             "| model | best of ours (+pre) | its mean err | x floor | x iid | "
-             "fit s / NUTS s | ours (+pre) no worse than AutoMVN |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "## The issue's goals",
+        "",
+        "| model | best of ours (+pre) | its mean err | x floor | x iid | "
+        "fit s / NUTS s | ours (+pre) no worse than AutoMVN |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     met_floor = met_mvn = met_time = 0
     for name, ref in record["references"].items():
         rows = [r for r in record["results"] if r["model"] == name and r["status"] == "ok"]
@@ -77,20 +83,26 @@ def goals(record):
         worse = []
         if mvn:
             m = mvn[0]
-            worse = [r["method"] for r in ours
-                     if r["mean_error_max"] > m["mean_error_max"]
-                     or r["energy_distance"] > max(m["energy_distance"], 0.0)]
+            worse = [
+                r["method"]
+                for r in ours
+                if r["mean_error_max"] > m["mean_error_max"]
+                or r["energy_distance"] > max(m["energy_distance"], 0.0)
+            ]
         met_mvn += not worse
         lines.append(
             f"| {name} | {best['method']} | {best['mean_error_max']:.3f} | "
             f"{best['floor_ratio']:.1f} | {best['iid_floor_ratio']:.1f} | {time_ratio:.2f} | "
-            f"{'yes' if not worse else 'no: ' + ', '.join(worse)} |")
+            f"{'yes' if not worse else 'no: ' + ', '.join(worse)} |"
+        )
     total = len(record["references"])
-    lines += ["",
-              f"Best of ours within 3x a noise floor: {met_floor} of {total}; every method of "
-              f"ours no worse than AutoMVN (mean error and energy distance): {met_mvn} of "
-              f"{total}; the best fit in at most 1/5 of NUTS's time: {met_time} of {total}.",
-              ""]
+    lines += [
+        "",
+        f"Best of ours within 3x a noise floor: {met_floor} of {total}; every method of "
+        f"ours no worse than AutoMVN (mean error and energy distance): {met_mvn} of "
+        f"{total}; the best fit in at most 1/5 of NUTS's time: {met_time} of {total}.",
+        "",
+    ]
     return lines
 
 
@@ -102,13 +114,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     record, runs = merge(args.files)
     table = _stiff().markdown(record).split("\n")
-    header = ["# Stiff posteriors: methods with and without the affine preconditioner", "",
-              "Merged from these runs (later rows replace earlier ones; the `commit` of each "
-              "row is its run's):", ""]
-    header += [f"- `{cmd}` (commit {commit}, {date}) -> `{path}`"
-               for path, cmd, commit, date in runs]
-    header += [f"- merged by `python benchmarks/stiff_report.py {' '.join(args.files)} "
-               f"--markdown {args.markdown}`", ""]
+    header = [
+        "# Stiff posteriors: methods with and without the affine preconditioner",
+        "",
+        "Merged from these runs (later rows replace earlier ones; the `commit` of each "
+        "row is its run's):",
+        "",
+    ]
+    header += [
+        f"- `{cmd}` (commit {commit}, {date}) -> `{path}`" for path, cmd, commit, date in runs
+    ]
+    header += [
+        f"- merged by `python benchmarks/stiff_report.py {' '.join(args.files)} "
+        f"--markdown {args.markdown}`",
+        "",
+    ]
     if args.note:
         header += [args.note, ""]
     body = table[2:]  # drop the single-run title and command line

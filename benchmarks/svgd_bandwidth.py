@@ -48,8 +48,9 @@ def main():
         cells = []
         for factor in rules.values():
             lo, hi = final_spread(dim, args.particles, factor, args.steps, args.seed)
-            cells.append(f"{lo:.2f}-{hi:.2f}" if not math.isclose(lo, hi, abs_tol=5e-3)
-                         else f"{lo:.2f}")
+            cells.append(
+                f"{lo:.2f}-{hi:.2f}" if not math.isclose(lo, hi, abs_tol=5e-3) else f"{lo:.2f}"
+            )
         print(f"| {dim} | {' | '.join(cells)} |", flush=True)
 
 

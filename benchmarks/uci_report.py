@@ -78,8 +78,13 @@ PAPERS = {
 }
 
 #: the runner's method behind each paper's rows (a report refuses any other)
-PAPER_METHOD = {"kivi": "kivi", "fsvgd": "fsvgd", "wsvgd": "wsvgd", "livi": "livi",
-                "livi_svd": "livi_svd"}
+PAPER_METHOD = {
+    "kivi": "kivi",
+    "fsvgd": "fsvgd",
+    "wsvgd": "wsvgd",
+    "livi": "livi",
+    "livi_svd": "livi_svd",
+}
 
 #: run settings that must agree for splits to share a table row
 RUN_KEYS = ("method", "seed", "dtype", "smoke")
@@ -160,8 +165,11 @@ def report(paths, title, paper=None):
     """
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if paper:
-        wrong = [str(p) for p, r in zip(paths, runs, strict=True)
-                 if r.get("method") != PAPER_METHOD[paper]]
+        wrong = [
+            str(p)
+            for p, r in zip(paths, runs, strict=True)
+            if r.get("method") != PAPER_METHOD[paper]
+        ]
         if wrong:
             raise ValueError(
                 f"--paper {paper} compares with the paper's {PAPER_METHOD[paper]!r} rows, but "
@@ -240,11 +248,16 @@ def main(argv=None):
     parser.add_argument("--title", default="results")
     parser.add_argument("--paper", choices=sorted(PAPERS), default=None)
     parser.add_argument("--out", default=None, help="write the Markdown here (else print)")
-    parser.add_argument("--section", default=None,
-                        help="replace only this named section of --out (see the module doc)")
-    parser.add_argument("--missing-ok", action="store_true",
-                        help="leave out result files that do not exist yet (a report of none "
-                        "says so)")
+    parser.add_argument(
+        "--section",
+        default=None,
+        help="replace only this named section of --out (see the module doc)",
+    )
+    parser.add_argument(
+        "--missing-ok",
+        action="store_true",
+        help="leave out result files that do not exist yet (a report of none says so)",
+    )
     args = parser.parse_args(argv)
     if args.section and not args.out:
         parser.error("--section needs --out")

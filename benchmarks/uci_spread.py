@@ -68,8 +68,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = None if args.epochs is None else {"epochs": args.epochs}
-    return spread(args.dataset, args.split, args.methods.split(","), args.dtype, args.seed,
-                  overrides)
+    return spread(
+        args.dataset, args.split, args.methods.split(","), args.dtype, args.seed, overrides
+    )
 
 
 if __name__ == "__main__":

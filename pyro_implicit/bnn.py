@@ -160,8 +160,9 @@ class _BNNBase:
     def _data_plate(self, x, y, subsample_size):
         """The data plate (dim -1; minibatch indices drawn on the data's device), yielding
         the rows of ``x`` and ``y`` it selects."""
-        plate = pyro.plate("data", x.shape[0], subsample_size=subsample_size, dim=-1,
-                           device=x.device)
+        plate = pyro.plate(
+            "data", x.shape[0], subsample_size=subsample_size, dim=-1, device=x.device
+        )
         with plate as idx:
             yb = None if y is None else self._subsample(y, idx, subsample_size)
             yield self._subsample(x, idx, subsample_size), yb
@@ -256,8 +257,10 @@ class BNNRegression(_BNNBase):
     ):
         super().__init__(in_dim, 1, hidden_dims, activation, prior_scale)
         if learn_noise and (precision_prior is not None or noise_std_prior is not None):
-            raise ValueError("learn_noise=True fits the noise scale as a parameter; it needs "
-                             "precision_prior=None and noise_std_prior=None.")
+            raise ValueError(
+                "learn_noise=True fits the noise scale as a parameter; it needs "
+                "precision_prior=None and noise_std_prior=None."
+            )
         self.learn_noise = bool(learn_noise)
         if noise_std_prior is not None:
             if precision_prior is not None:
@@ -303,8 +306,11 @@ class BNNRegression(_BNNBase):
             a, b = self.noise_std_prior
             scale = pyro.sample("noise_std", dist.InverseGamma(x.new_tensor(a), x.new_tensor(b)))
         elif self.learn_noise:
-            scale = pyro.param("noise_scale", lambda: x.new_tensor(self.noise_scale),
-                               constraint=constraints.positive)
+            scale = pyro.param(
+                "noise_scale",
+                lambda: x.new_tensor(self.noise_scale),
+                constraint=constraints.positive,
+            )
         elif self.precision_prior is None:
             scale = x.new_tensor(self.noise_scale)
         else:

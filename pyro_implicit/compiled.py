@@ -51,8 +51,14 @@ def _signature(value):
     """A hashable description of an argument: tensors by identity, shape, dtype, device
     and version (an in-place change retraces), plain values by value."""
     if torch.is_tensor(value):
-        return ("tensor", id(value), tuple(value.shape), value.dtype, str(value.device),
-                value._version)
+        return (
+            "tensor",
+            id(value),
+            tuple(value.shape),
+            value.dtype,
+            str(value.device),
+            value._version,
+        )
     if isinstance(value, (int, float, bool, str, type(None))):
         return (type(value).__name__, value)
     if isinstance(value, (tuple, list)):
@@ -102,9 +108,11 @@ class CompiledLogDensity:
     def _give_up(self, reason):
         self.fallback_reason = reason
         self._graphs.clear()
-        logger.info("pyro_implicit: log-density of %s runs eagerly: %s",
-                    getattr(self.space.model, "__name__", type(self.space.model).__name__),
-                    reason)
+        logger.info(
+            "pyro_implicit: log-density of %s runs eagerly: %s",
+            getattr(self.space.model, "__name__", type(self.space.model).__name__),
+            reason,
+        )
 
     def _check_model(self, args, kwargs):
         with torch.no_grad(), poutine.block():
@@ -125,8 +133,14 @@ class CompiledLogDensity:
             return None
         kwargs = kwargs or {}
         try:
-            key = (bool(full_data), tuple(u.shape), u.dtype, str(u.device),
-                   _signature(tuple(args)), _signature(dict(kwargs)))
+            key = (
+                bool(full_data),
+                tuple(u.shape),
+                u.dtype,
+                str(u.device),
+                _signature(tuple(args)),
+                _signature(dict(kwargs)),
+            )
         except _Uncompilable as e:
             self._give_up(str(e))
             return None

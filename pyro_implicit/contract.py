@@ -182,9 +182,7 @@ def requirements():
         SteinScoreELBO,
     )
 
-    losses = (
-        KernelRatioELBO, SteinScoreELBO, SIVI_ELBO, LIVI_ELBO, GPVI_ELBO, AmortizedSVGD_ELBO
-    )
+    losses = (KernelRatioELBO, SteinScoreELBO, SIVI_ELBO, LIVI_ELBO, GPVI_ELBO, AmortizedSVGD_ELBO)
     return {cls.__name__: cls.required_capability for cls in losses}
 
 

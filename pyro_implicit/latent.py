@@ -229,9 +229,7 @@ class LatentSpace:
         rng = pyro.util.get_rng_state()
         try:
             with torch.no_grad():
-                full = poutine.block(poutine.trace(guide.model).get_trace)(
-                    *args, **(kwargs or {})
-                )
+                full = poutine.block(poutine.trace(guide.model).get_trace)(*args, **(kwargs or {}))
         finally:
             pyro.util.set_rng_state(rng)
         space = cls(
@@ -277,8 +275,7 @@ class LatentSpace:
             u = u.reshape(num, -1)
             if u.shape[-1] != s.stop - s.start:
                 raise ValueError(
-                    f"value of site '{s.name}' has shape {tuple(v.shape)}; expected "
-                    f"(N, *{s.shape})"
+                    f"value of site '{s.name}' has shape {tuple(v.shape)}; expected (N, *{s.shape})"
                 )
             rows.append(u)
         return torch.cat(rows, dim=-1)
@@ -743,8 +740,7 @@ def _gaussian_vi(space, start, args, kwargs, num_steps, num_draws, lr, seed):
     # start a tenth as wide as ``start``: a Gaussian fit grows out of a narrow start safely,
     # while draws from a too-wide one (a Laplace along a network's flat directions) can
     # land where the log-density is astronomically low and its gradient useless
-    log_diag = torch.full((dim,), math.log(_VI_START_SCALE), dtype=ref.dtype,
-                          requires_grad=True)
+    log_diag = torch.full((dim,), math.log(_VI_START_SCALE), dtype=ref.dtype, requires_grad=True)
     groups = [{"params": [shift, log_diag]}]
     if dense:
         lower = torch.zeros(dim, dim, dtype=ref.dtype, requires_grad=True)
@@ -775,8 +771,9 @@ def _gaussian_vi(space, start, args, kwargs, num_steps, num_draws, lr, seed):
             b = lower.tril(-1) + torch.diag(log_diag.exp())
             return Preconditioner(loc, scale_tril=start.scale_tril @ b, source="gaussian_vi")
         if start.kind == "dense":  # L diag(s) is lower triangular too
-            return Preconditioner(loc, scale_tril=start.scale_tril * log_diag.exp(),
-                                  source="gaussian_vi")
+            return Preconditioner(
+                loc, scale_tril=start.scale_tril * log_diag.exp(), source="gaussian_vi"
+            )
         return Preconditioner(loc, scale=start.scale * log_diag.exp(), source="gaussian_vi")
 
 
@@ -885,9 +882,7 @@ def find_preconditioner(
             draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
             for label, vi_start in starts:
                 try:
-                    vi = _gaussian_vi(
-                        space, vi_start, args, kwargs, vi_steps, draws, vi_lr, seed
-                    )
+                    vi = _gaussian_vi(space, vi_start, args, kwargs, vi_steps, draws, vi_lr, seed)
                     lw_vi = _elbo_draws(space, vi, eps, args, kwargs)
                     elbo_vi = lw_vi.mean().item() if torch.isfinite(lw_vi).all() else -math.inf
                 except (ValueError, RuntimeError) as e:

@@ -98,8 +98,10 @@ def eight_schools():
     return BuiltinModel(
         name="eight_schools",
         model=eight_schools_model,
-        args=(torch.tensor(EIGHT_SCHOOLS_Y, dtype=dtype),
-              torch.tensor(EIGHT_SCHOOLS_SIGMA, dtype=dtype)),
+        args=(
+            torch.tensor(EIGHT_SCHOOLS_Y, dtype=dtype),
+            torch.tensor(EIGHT_SCHOOLS_SIGMA, dtype=dtype),
+        ),
         kwargs={},
         max_plate_nesting=1,
         description="eight schools (non-centred; mu, tau, theta_tilde[8]: D = 10)",
@@ -234,8 +236,7 @@ def yacht_bnn(split=0, hidden=YACHT_HIDDEN):
         max_plate_nesting=1,
         description=f"BNN regression on UCI yacht split {split} (n = {data.n_train}, "
         f"{data.in_dim}-{hidden}-1 tanh, D = {bnn.num_weights + 1})",
-        extras={"bnn": bnn, "x_test": data.x_test, "y_test": data.y_test,
-                "y_std": data.y_std},
+        extras={"bnn": bnn, "x_test": data.x_test, "y_test": data.y_test, "y_std": data.y_std},
     )
 
 

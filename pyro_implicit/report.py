@@ -33,8 +33,9 @@ def _loo_tables(result, spec, mpn, seed):
     from .diagnostics.arviz import _arviz, comparison_to_inference_data
 
     az = _arviz()
-    idatas = comparison_to_inference_data(result, spec.model, spec.args, spec.kwargs,
-                                          max_plate_nesting=mpn, seed=seed)
+    idatas = comparison_to_inference_data(
+        result, spec.model, spec.args, spec.kwargs, max_plate_nesting=mpn, seed=seed
+    )
     if not all("log_likelihood" in idata for idata in idatas.values()):  # 0.x and 1.x
         return None, "the model has no observed site"
     sites = list(next(iter(idatas.values()))["log_likelihood"].data_vars)
@@ -89,8 +90,15 @@ def write_report(folder, result, spec, mpn, args, header, total):
     data["loo_note"] = LOO_NOTE
     path = os.path.join(folder, "table.md")
     with open(path, "w") as f:
-        f.write("```text\n" + header + "\n```\n\n" + result.to_markdown() + "\n\n"
-                + result.to_markdown(per_site=True) + "\n")
+        f.write(
+            "```text\n"
+            + header
+            + "\n```\n\n"
+            + result.to_markdown()
+            + "\n\n"
+            + result.to_markdown(per_site=True)
+            + "\n"
+        )
         if loo is not None:
             f.write("\n" + LOO_NOTE + "\n")
     written.append(path)
@@ -101,8 +109,12 @@ def write_report(folder, result, spec, mpn, args, header, total):
     coords = args.plot_sites.split(",") if args.plot_sites else None
     for name, r in result.methods.items():
         if result.has_reference and r.failure is None:  # pair plots overlay NUTS
-            save(pair_plot(r.samples, result.nuts.samples, coords=coords, label=name,
-                           seed=args.seed), f"pairs_{name}.png")
+            save(
+                pair_plot(
+                    r.samples, result.nuts.samples, coords=coords, label=name, seed=args.seed
+                ),
+                f"pairs_{name}.png",
+            )
     if any(r.losses for r in result.methods.values()):
         save(loss_curves(result), "losses.png")
     from .bnn import BNNRegression
@@ -111,9 +123,18 @@ def write_report(folder, result, spec, mpn, args, header, total):
     failed = [n for n, r in result.methods.items() if r.failure]
     if isinstance(bnn, BNNRegression) and "x_test" in spec.extras and result.has_reference:
         draws = {n: r.samples for n, r in result.methods.items() if n not in failed}
-        save(regression_predictive_plot(bnn, spec.extras["x_test"], draws, result.nuts.samples,
-                                        y=spec.extras.get("y_test"), max_plate_nesting=mpn,
-                                        seed=args.seed), "predictive.png")
+        save(
+            regression_predictive_plot(
+                bnn,
+                spec.extras["x_test"],
+                draws,
+                result.nuts.samples,
+                y=spec.extras.get("y_test"),
+                max_plate_nesting=mpn,
+                seed=args.seed,
+            ),
+            "predictive.png",
+        )
 
     return written
 

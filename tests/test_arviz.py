@@ -49,10 +49,26 @@ def data():
 @pytest.fixture(scope="module")
 def comparison(data):
     torch.set_default_dtype(torch.float64)
-    nuts = run_nuts(vector_model, *data, num_samples=100, warmup_steps=60, num_chains=2,
-                    seed=0, max_plate_nesting=1, progress_bar=False)
-    return compare(vector_model, *data, methods=["autonormal", "wsvgd"], num_steps=200,
-                   num_samples=400, nuts=nuts, max_plate_nesting=1, progress=False)
+    nuts = run_nuts(
+        vector_model,
+        *data,
+        num_samples=100,
+        warmup_steps=60,
+        num_chains=2,
+        seed=0,
+        max_plate_nesting=1,
+        progress_bar=False,
+    )
+    return compare(
+        vector_model,
+        *data,
+        methods=["autonormal", "wsvgd"],
+        num_steps=200,
+        num_samples=400,
+        nuts=nuts,
+        max_plate_nesting=1,
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +112,7 @@ def test_log_likelihood_is_the_closed_form(exports, data):
     scale = torch.as_tensor(idata.posterior["scale"].values[0])
     # sum over the 2-D event of log N(y_ij | loc_j, scale)
     z = (y - loc[:, None, :]) / scale[:, None, None]
-    expected = (-0.5 * z**2 - torch.log(scale)[:, None, None]
-                - 0.5 * math.log(2 * math.pi)).sum(-1)
+    expected = (-0.5 * z**2 - torch.log(scale)[:, None, None] - 0.5 * math.log(2 * math.pi)).sum(-1)
     actual = torch.as_tensor(idata.log_likelihood["y"].values[0])
     assert torch.allclose(actual, expected, atol=1e-10)
     observed = torch.as_tensor(idata.observed_data["y"].values)
@@ -139,38 +154,58 @@ def test_nuts_result_exports_divergences_per_draw(comparison, exports):
 
 def test_mcmc_object_and_guide_sources(data):
     pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(vector_model, max_plate_nesting=1), num_samples=30, warmup_steps=30,
-                disable_progbar=True)
+    mcmc = MCMC(
+        NUTS(vector_model, max_plate_nesting=1),
+        num_samples=30,
+        warmup_steps=30,
+        disable_progbar=True,
+    )
     mcmc.run(*data)
     idata = to_inference_data(vector_model, data, source=mcmc, max_plate_nesting=1)
     assert idata.posterior["loc"].shape == (1, 30, 2)
     assert idata.sample_stats["diverging"].dims == ("chain", "draw")
     # a guide straight from SVI, drawn from here
     guide = pyro.infer.autoguide.AutoNormal(vector_model)
-    svi = pyro.infer.SVI(vector_model, guide, pyro.optim.Adam({"lr": 0.05}),
-                         pyro.infer.Trace_ELBO())
+    svi = pyro.infer.SVI(
+        vector_model, guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO()
+    )
     trace = [svi.step(*data) for _ in range(20)]
-    idata = to_inference_data(vector_model, data, source=guide, num_samples=50, seed=3,
-                              loss_trace=trace, max_plate_nesting=1)
+    idata = to_inference_data(
+        vector_model,
+        data,
+        source=guide,
+        num_samples=50,
+        seed=3,
+        loss_trace=trace,
+        max_plate_nesting=1,
+    )
     assert idata.posterior["loc"].shape == (1, 50, 2)
     assert idata.sample_stats["loss"].shape == (20,)
-    again = to_inference_data(vector_model, data, source=guide, num_samples=50, seed=3,
-                              max_plate_nesting=1)
+    again = to_inference_data(
+        vector_model, data, source=guide, num_samples=50, seed=3, max_plate_nesting=1
+    )
     assert (again.posterior["loc"].values == idata.posterior["loc"].values).all()
 
 
 def test_exports_carry_the_checks_that_need_no_nuts(comparison, exports, data):
     for name in ("autonormal", "wsvgd", "nuts"):
         attrs = exports[name].posterior.attrs
-        expected = (comparison.nuts_ksd if name == "nuts"
-                    else comparison.methods[name].ksd)
+        expected = comparison.nuts_ksd if name == "nuts" else comparison.methods[name].ksd
         assert attrs["ksd"] == expected.ksd and attrs["ksd_noise_level"] > 0
     assert exports["autonormal"].posterior.attrs["pareto_k"] == (
-        comparison.methods["autonormal"].k_hat)
+        comparison.methods["autonormal"].k_hat
+    )
     assert "pareto_k" not in exports["wsvgd"].posterior.attrs  # particles: no density
     guide = comparison.methods["autonormal"].approximation
-    idata = to_inference_data(vector_model, data, source=guide, num_samples=200, seed=0,
-                              max_plate_nesting=1, diagnostics=True)
+    idata = to_inference_data(
+        vector_model,
+        data,
+        source=guide,
+        num_samples=200,
+        seed=0,
+        max_plate_nesting=1,
+        diagnostics=True,
+    )
     attrs = idata.posterior.attrs
     assert math.isfinite(attrs["ksd"]) and math.isfinite(attrs["pareto_k"])
 

@@ -205,8 +205,9 @@ def test_fan_out_prior_and_noise_std_prior():
     the defaults (KIVI's model) are unchanged."""
     default = BNNRegression(3, hidden_dims=(5,))
     assert default.prior_scale == 1.0 and default.layer_prior_scales == [1.0, 1.0]
-    model = BNNRegression(3, hidden_dims=(5,), prior_scale="fan_out", precision_prior=None,
-                          noise_std_prior=(1.0, 0.1))
+    model = BNNRegression(
+        3, hidden_dims=(5,), prior_scale="fan_out", precision_prior=None, noise_std_prior=(1.0, 0.1)
+    )
     assert model.layer_prior_scales == pytest.approx([5**-0.5, 1.0])
     x, y = torch.randn(4, 3), torch.randn(4)
     trace = poutine.trace(model).get_trace(x, y)
@@ -225,14 +226,16 @@ def test_learned_noise_is_the_maximum_likelihood_scale():
     """learn_noise=True: the noise scale is a positive Pyro parameter; with the weights fixed
     at zero (f = 0) maximising the likelihood must give sqrt(mean(y^2))."""
     pyro.clear_param_store()
-    model = BNNRegression(2, hidden_dims=(3,), precision_prior=None, noise_scale=1.0,
-                          learn_noise=True)
+    model = BNNRegression(
+        2, hidden_dims=(3,), precision_prior=None, noise_scale=1.0, learn_noise=True
+    )
     x = torch.randn(50, 2, dtype=F64)
     y = 0.3 * torch.randn(50, dtype=F64)
     zeros = {"layer0": torch.zeros(3, 3, dtype=F64), "layer1": torch.zeros(4, 1, dtype=F64)}
     fixed = poutine.condition(model, data=zeros)
-    svi = pyro.infer.SVI(fixed, lambda x, y: None, pyro.optim.Adam({"lr": 0.05}),
-                         pyro.infer.Trace_ELBO())
+    svi = pyro.infer.SVI(
+        fixed, lambda x, y: None, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO()
+    )
     for _ in range(400):
         svi.step(x, y)
     expected = y.pow(2).mean().sqrt()

@@ -101,7 +101,8 @@ def test_too_many_signatures_fall_back():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(20, 2, generator=g)
     space = LatentSpace.from_model(subsampled, (x, torch.randn(20)), None, 1).compile(
-        max_signatures=2)
+        max_signatures=2
+    )
     u = torch.randn(3, 3)
     for _ in range(3):
         space.score(u, (x, torch.randn(20, generator=g)))
@@ -158,7 +159,13 @@ def test_kernel_losses_keep_pyro_traces_where_the_graph_does_not_apply():
     m = load_model("eight_schools")
     # the prior as contrast needs prior draws from a model run: no plan
     _, _, loss = _fit_losses(
-        KernelRatioELBO, "fx", m.model, m.args, m.kwargs, m.max_plate_nesting, steps=2,
+        KernelRatioELBO,
+        "fx",
+        m.model,
+        m.args,
+        m.kwargs,
+        m.max_plate_nesting,
+        steps=2,
         adaptive_contrast=False,
     )
     assert list(loss._fast_plans.values()) == [None]

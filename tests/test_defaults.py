@@ -38,8 +38,9 @@ def _cases():
         for problem in EXACT_PROBLEMS:
             marks = ()
             if (method, problem) in NEAR_THE_BAR:
-                marks = pytest.mark.xfail(reason="LIVI's correlation error 0.11 > 0.1",
-                                          strict=False)
+                marks = pytest.mark.xfail(
+                    reason="LIVI's correlation error 0.11 > 0.1", strict=False
+                )
             yield pytest.param(method, problem, marks=marks, id=f"{method}-{problem}")
 
 
@@ -47,8 +48,9 @@ def _cases():
 def test_defaults_recover_the_exact_posterior(method, problem, load_benchmark):
     # the recorded run's code path, seed and dtype (float32, a user's default)
     bench = load_benchmark("exact_defaults")
-    (row,) = bench.run([method], [problem], STEPS, True, "defaults", 0, torch.float32,
-                       log=lambda *args: None)
+    (row,) = bench.run(
+        [method], [problem], STEPS, True, "defaults", 0, torch.float32, log=lambda *args: None
+    )
     assert row["passes"], row
 
 

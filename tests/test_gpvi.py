@@ -3,7 +3,6 @@
 Reference numbers and test designs are the GPVI digest's Sec. 8.5 (notes/seeds/gpvi.md).
 """
 
-
 import pyro
 import pyro.distributions as dist
 import pytest

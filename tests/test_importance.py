@@ -59,8 +59,7 @@ def test_pareto_smoothing_matches_arviz():
 def test_exact_guide_has_small_k_and_exact_evidence():
     """A full-rank Gaussian set to the exact posterior: constant weights, k-hat < 0.5,
     full ESS, and the importance estimate of log p(x) exact."""
-    guide = set_gaussian(AutoMultivariateNormal(correlated_model), MEAN,
-                         torch.linalg.cholesky(COV))
+    guide = set_gaussian(AutoMultivariateNormal(correlated_model), MEAN, torch.linalg.cholesky(COV))
     result = importance_weights(correlated_model, guide)
     assert result.k_hat < 0.5
     assert result.ess == pytest.approx(1000, rel=1e-6)
@@ -73,10 +72,12 @@ def test_mean_field_ranks_above_full_rank():
     gets a k-hat far above a full-rank Gaussian only slightly off, and refinement refuses
     it."""
     precision = torch.linalg.inv(COV)
-    mean_field = set_gaussian(AutoDiagonalNormal(correlated_model), MEAN,
-                              precision.diagonal().rsqrt())
-    near = set_gaussian(AutoMultivariateNormal(correlated_model), MEAN + 0.1,
-                        1.1 * torch.linalg.cholesky(COV))
+    mean_field = set_gaussian(
+        AutoDiagonalNormal(correlated_model), MEAN, precision.diagonal().rsqrt()
+    )
+    near = set_gaussian(
+        AutoMultivariateNormal(correlated_model), MEAN + 0.1, 1.1 * torch.linalg.cholesky(COV)
+    )
     # population k of the mean field is about 1 - (1 - rho^2) = 0.98; the estimate of a
     # k near 1 is noisy (0.6-1.1 over seeds at 4000 draws), so the margins are wide
     k_mean_field = psis_diagnostic(correlated_model, mean_field, num_samples=4000)
@@ -89,12 +90,14 @@ def test_mean_field_ranks_above_full_rank():
 def test_refinement_moves_an_underdispersed_guide_to_the_posterior():
     """A full-rank guide at 0.7x the posterior scale and shifted: its weighted moments are
     much closer to the exact ones than its own."""
-    guide = set_gaussian(AutoMultivariateNormal(correlated_model), MEAN + 0.3,
-                         0.8 * torch.linalg.cholesky(COV))
+    guide = set_gaussian(
+        AutoMultivariateNormal(correlated_model), MEAN + 0.3, 0.8 * torch.linalg.cholesky(COV)
+    )
     result = importance_refine(correlated_model, guide, num_samples=4000)
     mean, sd = result.mean()["x"], result.std()["x"]
     raw = result.draws["x"]
     exact_sd = COV.diagonal().sqrt()
+
     def worst(x):
         return x.abs().max()
 
@@ -174,8 +177,9 @@ def test_semi_implicit_density_with_a_point_mixing_is_exact(precondition):
 
 @pytest.mark.parametrize("precondition", [False, True])
 def test_linearised_density_of_a_linear_generator_is_exact(precondition):
-    guide = LinearizedGuide(three_d_model, generator=lambda d, dim: Linear(),
-                            precondition=precondition)
+    guide = LinearizedGuide(
+        three_d_model, generator=lambda d, dim: Linear(), precondition=precondition
+    )
     guide()
     result = importance_weights(three_d_model, guide, num_samples=200)
     gen, pre = guide.generator, guide.preconditioner

@@ -135,8 +135,12 @@ def test_elbo_kl_of_autonormal_in_ten_dimensions(contrast):
         guide.locs.z.fill_(0.3)
     true = gaussian_kl_to_standard(torch.full((10,), 0.3), torch.full((10,), 0.8))
     elbo = KernelRatioELBO(
-        num_particles=500, regularizer=1e-2, adaptive_contrast=contrast, max_plate_nesting=0,
-        exact_sites=())
+        num_particles=500,
+        regularizer=1e-2,
+        adaptive_contrast=contrast,
+        max_plate_nesting=0,
+        exact_sites=(),
+    )
     estimates = [elbo.loss(_prior_only_model, guide) for _ in range(4)]
     # measured over seeds 0-2: estimates 0.87-1.06 for a true KL of 0.88
     assert abs(sum(estimates) / 4 - true) < 0.2
@@ -245,9 +249,7 @@ def test_exact_sites_must_have_a_guide_density():
     guide.append(ImplicitGuide(poutine.block(model, hide=["lam"])))
     guide.append(_gamma_guide)
     with pytest.raises(ValueError, match="'z', but an implicit guide draws it"):
-        KernelRatioELBO(num_particles=4, exact_sites=["z"], max_plate_nesting=1).loss(
-            model, guide
-        )
+        KernelRatioELBO(num_particles=4, exact_sites=["z"], max_plate_nesting=1).loss(model, guide)
     with pytest.raises(ValueError, match="'nope', which is not a latent site"):
         KernelRatioELBO(num_particles=4, exact_sites=["nope"], max_plate_nesting=1).loss(
             model, guide
@@ -267,8 +269,9 @@ def test_prior_draws_stop_before_the_likelihood():
             pyro.sample("obs", dist.Normal(loc, scale), obs=y[idx])
 
     def draw(subsample_size):
-        return prior_particles(model, (y,), {"subsample_size": subsample_size},
-                               ["loc", "scale"], 4000, 2)
+        return prior_particles(
+            model, (y,), {"subsample_size": subsample_size}, ["loc", "scale"], 4000, 2
+        )
 
     y = torch.randn(50)
     for subsample_size in (None, 10):
@@ -327,8 +330,12 @@ def test_adaptive_contrast_is_scaled_once():
         model = _scaled_prior_model(beta)
         guide = _autonormal_at(model, m, s)
         elbo = KernelRatioELBO(
-            num_particles=2000, adaptive_contrast="diag", regularizer=1e-2, max_plate_nesting=0,
-            exact_sites=())
+            num_particles=2000,
+            adaptive_contrast="diag",
+            regularizer=1e-2,
+            max_plate_nesting=0,
+            exact_sites=(),
+        )
         losses = [elbo.loss(model, guide) for _ in range(3)]
         assert sum(losses) / 3 == pytest.approx(beta * kl, abs=0.05)
 
@@ -454,8 +461,9 @@ def test_subsampled_local_latents_are_refused():
             pyro.sample("obs", dist.Normal(z, 1.0), obs=torch.zeros(2))
 
     guide = AutoNormal(model)
-    elbo = KernelRatioELBO(num_particles=4, max_plate_nesting=1, check_vectorization=False,
-                           exact_sites=())
+    elbo = KernelRatioELBO(
+        num_particles=4, max_plate_nesting=1, check_vectorization=False, exact_sites=()
+    )
     with pytest.raises(NotImplementedError, match="local latent inside the subsampled plate"):
         elbo.loss(model, guide, torch.zeros(6))
 

@@ -6,8 +6,9 @@ import torch
 
 from pyro_implicit.diagnostics.memory import PeakMemory, resident_set_kb
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="peak resident set needs /proc")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="peak resident set needs /proc"
+)
 
 
 @linux_only

@@ -137,8 +137,16 @@ def test_subsampled_model_is_sampled_on_its_full_data():
     """NUTS on a model that subsamples its likelihood samples the full-data posterior
     (conjugate: precision 1 + n), not a minibatch one."""
     y = torch.linspace(-0.5, 2.5, 12)
-    result = run_nuts(subsampled_normal, y, num_samples=400, warmup_steps=200, num_chains=2,
-                      seed=0, progress_bar=False, subsample_size=4)
+    result = run_nuts(
+        subsampled_normal,
+        y,
+        num_samples=400,
+        warmup_steps=200,
+        num_chains=2,
+        seed=0,
+        progress_bar=False,
+        subsample_size=4,
+    )
     draws = result.samples["mu"]
     assert draws.shape == (800,)
     post_mean, post_sd = float(y.sum()) / 13.0, 1.0 / math.sqrt(13.0)
@@ -153,9 +161,16 @@ def test_constant_coordinates_have_no_r_hat_and_weak_runs_say_why():
     by_chain = {"x": torch.randn(2, 50, 2)}
     by_chain["x"][..., 1] = 1.0  # a constant coordinate
     result = NUTSResult(
-        samples={"x": by_chain["x"].reshape(100, 2)}, samples_by_chain=by_chain,
-        diagnostics={"x": {"r_hat": torch.tensor([1.002, float("nan")]),
-                           "ess": torch.tensor([90.0, float("nan")])}},
-        num_divergences=0, wall_time=1.0)
+        samples={"x": by_chain["x"].reshape(100, 2)},
+        samples_by_chain=by_chain,
+        diagnostics={
+            "x": {
+                "r_hat": torch.tensor([1.002, float("nan")]),
+                "ess": torch.tensor([90.0, float("nan")]),
+            }
+        },
+        num_divergences=0,
+        wall_time=1.0,
+    )
     assert result.max_r_hat == pytest.approx(1.002) and result.min_ess == pytest.approx(90.0)
     assert result.weakness() == "min ESS 90 < 400"

@@ -17,8 +17,10 @@ from pyro_implicit.diagnostics.plots import (  # noqa: E402
 
 def _draws(n, shift=0.0, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"mu": torch.randn(n, generator=g) + shift,
-            "theta": torch.randn(n, 3, generator=g) + shift}
+    return {
+        "mu": torch.randn(n, generator=g) + shift,
+        "theta": torch.randn(n, 3, generator=g) + shift,
+    }
 
 
 def test_select_coordinates():
@@ -76,8 +78,11 @@ def test_regression_predictive_plot():
     y = torch.sin(x[:, 0])
 
     def draws(n, scale):
-        return {"layer0": scale * torch.randn(n, 2, 4), "layer1": scale * torch.randn(n, 5, 1),
-                "precision": torch.full((n,), 100.0)}
+        return {
+            "layer0": scale * torch.randn(n, 2, 4),
+            "layer1": scale * torch.randn(n, 5, 1),
+            "precision": torch.full((n,), 100.0),
+        }
 
     nuts, method = draws(200, 1.0), draws(150, 0.5)
     fig = regression_predictive_plot(bnn, x, {"m": method}, nuts, y=y, max_plate_nesting=1)

@@ -75,8 +75,9 @@ def test_log_density_and_hessian_match_closed_form():
     precision = torch.linalg.inv(cov)
     # a Gaussian log-density up to a constant: the difference is exact
     delta = u[1] - u[0]
-    assert (lp[0] - lp[1]).item() == pytest.approx((0.5 * delta @ precision @ delta).item(),
-                                                  rel=1e-8)
+    assert (lp[0] - lp[1]).item() == pytest.approx(
+        (0.5 * delta @ precision @ delta).item(), rel=1e-8
+    )
     hess = space.hessian(mean, args)
     torch.testing.assert_close(hess, -precision, rtol=1e-8, atol=1e-8)
     _, score = space.score(mean[None], args)
@@ -248,8 +249,9 @@ def _first_bandwidths(precondition):
         SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), elbo).step(*args)
         kivi = next(iter(elbo.diagnostics.values()))["bandwidth"]
         pyro.set_rng_seed(3)
-        svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-3}), 20, 1,
-                               precondition=precondition)
+        svgd = WeightSpaceSVGD(
+            model, pyro.optim.Adam({"lr": 1e-3}), 20, 1, precondition=precondition
+        )
         out.append((kivi, svgd.step(*args)["bandwidth"]))
     return out
 
@@ -286,8 +288,9 @@ def test_semi_implicit_conditional_density_is_that_of_u():
     exact = torch.distributions.MultivariateNormal(
         pre.unwhiten(psi), scale_tril=pre.scale_tril @ guide.conditional_scale_tril()
     ).log_prob(u)
-    torch.testing.assert_close(guide.conditional_log_prob(u, psi), exact.detach(),
-                               check_dtype=False)
+    torch.testing.assert_close(
+        guide.conditional_log_prob(u, psi), exact.detach(), check_dtype=False
+    )
     pairwise = guide.pairwise_conditional_log_prob(u, psi)
     torch.testing.assert_close(pairwise.diagonal(), exact.detach())
 
@@ -309,9 +312,9 @@ def test_linearized_density_and_entropy_are_those_of_u():
     cov = pre.scale_tril @ (w @ w.T + 0.09 * torch.eye(5)) @ pre.scale_tril.T
     expected = torch.distributions.MultivariateNormal(torch.zeros(5), cov).entropy()
     elbo = LIVI_ELBO(num_particles=3, max_plate_nesting=1)
-    trace = pyro.poutine.trace(
-        pyro.plate("num_particles_vectorized", 3, dim=-2)(guide)
-    ).get_trace(*args)
+    trace = pyro.poutine.trace(pyro.plate("num_particles_vectorized", 3, dim=-2)(guide)).get_trace(
+        *args
+    )
     site = next(s for s in trace.nodes.values() if implicit_site_info(s) is not None)
     entropy, _ = elbo._site_entropy(trace, site)
     torch.testing.assert_close(entropy.detach(), expected.detach().expand(3))

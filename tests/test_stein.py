@@ -31,10 +31,12 @@ def test_kernel_sums_match_autograd_stein_kernel():
     x = 3 * torch.randn(12, 3, generator=g) + 10  # far from 0: the centring must hold
     s = torch.randn(12, 3, generator=g)
     total, diagonal = imq_stein_kernel_sums(x, s)
-    pairs = torch.stack([
-        torch.stack([autograd_stein_kernel(x[i], x[j], s[i], s[j]) for j in range(12)])
-        for i in range(12)
-    ])
+    pairs = torch.stack(
+        [
+            torch.stack([autograd_stein_kernel(x[i], x[j], s[i], s[j]) for j in range(12)])
+            for i in range(12)
+        ]
+    )
     assert total.item() == pytest.approx(pairs.sum().item(), rel=1e-10)
     assert diagonal.item() == pytest.approx(pairs.diagonal().sum().item(), rel=1e-10)
 
@@ -56,8 +58,9 @@ def test_population_ksd_matches_quadrature():
     population = 0.0
     for i in range(40):
         for j in range(40):
-            kp = autograd_stein_kernel(pts[i : i + 1], pts[j : j + 1], -pts[i : i + 1],
-                                       -pts[j : j + 1])
+            kp = autograd_stein_kernel(
+                pts[i : i + 1], pts[j : j + 1], -pts[i : i + 1], -pts[j : j + 1]
+            )
             population += weights[i] * weights[j] * kp
     draws = {"x": mu + sd * torch.randn(3000)}
     result = stein_discrepancy(normal_model(), draws)
@@ -73,8 +76,10 @@ def test_exact_draws_tend_to_zero_and_wrong_draws_do_not():
         pyro.sample("y", dist.LogNormal(0.0, 1.0))
 
     def draws(num, shift=0.0, spread=1.0):
-        return {"x": spread * scale * torch.randn(num, 3) + shift * scale,
-                "y": torch.randn(num).exp()}
+        return {
+            "x": spread * scale * torch.randn(num, 3) + shift * scale,
+            "y": torch.randn(num).exp(),
+        }
 
     small, large = (stein_discrepancy(model, draws(n)) for n in (100, 1600))
     # rate 1/sqrt(S): 16x the draws, a quarter of the discrepancy

@@ -226,8 +226,9 @@ def _per_draw(value, num, shape, what):
     return value.reshape((num,) + tuple(shape))
 
 
-def predictive_samples(model, args=(), kwargs=None, draws=None, sites=None,
-                       max_plate_nesting=None, seed=None):
+def predictive_samples(
+    model, args=(), kwargs=None, draws=None, sites=None, max_plate_nesting=None, seed=None
+):
     """Sites of one vectorised model run at given posterior draws, observed sites re-drawn
     from the likelihood (``poutine.uncondition``): the posterior predictive at new inputs.
 
@@ -254,25 +255,31 @@ def predictive_samples(model, args=(), kwargs=None, draws=None, sites=None,
     shapes = {n: s for n, s in latent_shapes(model, *args, **kwargs).items() if n in draws}
     unknown = [n for n in draws if n not in shapes]
     if unknown or not shapes:
-        raise ValueError(f"the model has no latent sites {unknown or list(draws)} at these "
-                         "arguments")
+        raise ValueError(
+            f"the model has no latent sites {unknown or list(draws)} at these arguments"
+        )
     num = int(next(iter(draws.values())).shape[0])
-    flat = {n: torch.as_tensor(draws[n]).detach().reshape((num,) + tuple(shapes[n]))
-            for n in shapes}
+    flat = {
+        n: torch.as_tensor(draws[n]).detach().reshape((num,) + tuple(shapes[n])) for n in shapes
+    }
     aligned = _plate_aligned(flat, prototype, max_plate_nesting)
     rng_state = pyro.util.get_rng_state()
     try:
         if seed is not None:
             pyro.set_rng_seed(seed)
-        trace = _vectorized_trace(model, args, kwargs, aligned, num, max_plate_nesting,
-                                  uncondition=True)
+        trace = _vectorized_trace(
+            model, args, kwargs, aligned, num, max_plate_nesting, uncondition=True
+        )
     finally:
         if seed is not None:
             pyro.util.set_rng_state(rng_state)
     if sites is None:
         # everything that was drawn here rather than given
-        sites = [n for n, s in prototype.nodes.items() if s["type"] == "sample"
-                 and n not in shapes and not site_is_subsample(s)]
+        sites = [
+            n
+            for n, s in prototype.nodes.items()
+            if s["type"] == "sample" and n not in shapes and not site_is_subsample(s)
+        ]
     out = {}
     for name in sites:
         if name not in trace.nodes:
@@ -310,8 +317,11 @@ def _draws_of(source, model, args, kwargs, num_samples, mpn, shapes):
         indices = source.diagnostics().get("divergences", {}).values()
         return by_chain, "mcmc", None, {}, {"diverging": _diverging(by_chain, indices)}
     if isinstance(source, MethodResult):
-        attrs = {"method": source.name, "method_description": source.description,
-                 **_diagnostic_attrs(source.ksd, source.k_hat)}
+        attrs = {
+            "method": source.name,
+            "method_description": source.description,
+            **_diagnostic_attrs(source.ksd, source.k_hat),
+        }
         draws = {k: v for k, v in source.samples.items() if k in shapes}
         losses = source.losses or None
         if losses:
@@ -387,8 +397,11 @@ def to_inference_data(
         )
         chains, draws = next(iter(by_chain.values())).shape[:2]
         num = chains * draws
-        flat = {k: v.reshape((num,) + tuple(shapes[k])).detach() for k, v in by_chain.items()
-                if k in shapes}
+        flat = {
+            k: v.reshape((num,) + tuple(shapes[k])).detach()
+            for k, v in by_chain.items()
+            if k in shapes
+        }
         aligned = _plate_aligned(flat, prototype, mpn)
 
         trace = _vectorized_trace(model, args, kwargs, aligned, num, mpn)
@@ -423,8 +436,12 @@ def to_inference_data(
             post[name] = chained(value, shape)
             post_dims[name] = site_dims(name, shape, site["value"].dim() - site["fn"].event_dim)
 
-    post_attrs = {"draws": _DRAWS_NOTE[kind], "draws_kind": kind, "num_chains": chains,
-                  "num_draws": draws}
+    post_attrs = {
+        "draws": _DRAWS_NOTE[kind],
+        "draws_kind": kind,
+        "num_chains": chains,
+        "num_draws": draws,
+    }
     if method is not None:
         post_attrs["method"] = method
     post_attrs.update(extra)
@@ -436,8 +453,11 @@ def to_inference_data(
     if log_likelihood and observed:
         ll, ll_dims = {}, {}
         for name, site in observed.items():
-            subsampled = [f.name for f in site["cond_indep_stack"]
-                          if f.full_size is not None and f.full_size != f.size]
+            subsampled = [
+                f.name
+                for f in site["cond_indep_stack"]
+                if f.full_size is not None and f.full_size != f.size
+            ]
             if subsampled:
                 warnings.warn(
                     f"observed site '{name}' lies in the subsampled plate(s) {subsampled}: "
@@ -449,8 +469,12 @@ def to_inference_data(
                 continue
             vsite = trace.nodes[name]
             batch_shape = tuple(site["fn"].batch_shape)
-            value = _per_draw(vsite["fn"].log_prob(vsite["value"]), num, batch_shape,
-                              f"log-likelihood of '{name}'")
+            value = _per_draw(
+                vsite["fn"].log_prob(vsite["value"]),
+                num,
+                batch_shape,
+                f"log-likelihood of '{name}'",
+            )
             ll[name] = chained(value, batch_shape)
             ll_dims[name] = site_dims(name, batch_shape, len(batch_shape))
         if ll:
@@ -460,17 +484,19 @@ def to_inference_data(
         pp, pp_dims = {}, {}
         for name, site in observed.items():
             shape = tuple(site["value"].shape)
-            value = _per_draw(pp_trace.nodes[name]["value"], num, shape,
-                              f"posterior predictive of '{name}'")
+            value = _per_draw(
+                pp_trace.nodes[name]["value"], num, shape, f"posterior predictive of '{name}'"
+            )
             pp[name] = chained(value, shape)
             pp_dims[name] = site_dims(name, shape, len(shape) - site["fn"].event_dim)
         groups["posterior_predictive"] = _dataset(pp, pp_dims, _attrs())
 
     if observed:
         obs = {n: s["value"].detach().cpu().numpy() for n, s in observed.items()}
-        obs_dims = {n: site_dims(n, tuple(s["value"].shape),
-                                 s["value"].dim() - s["fn"].event_dim)
-                    for n, s in observed.items()}
+        obs_dims = {
+            n: site_dims(n, tuple(s["value"].shape), s["value"].dim() - s["fn"].event_dim)
+            for n, s in observed.items()
+        }
         groups["observed_data"] = _dataset(obs, obs_dims, _attrs(), sample_dims=())
 
     loss_trace = losses if loss_trace is None else loss_trace
@@ -499,8 +525,9 @@ def _wrap(groups):
     return az.InferenceData(**groups)
 
 
-def comparison_to_inference_data(result, model, args=(), kwargs=None, max_plate_nesting=None,
-                                 seed=0):
+def comparison_to_inference_data(
+    result, model, args=(), kwargs=None, max_plate_nesting=None, seed=0
+):
     """One export per row of a :class:`~pyro_implicit.diagnostics.compare.ComparisonResult`,
     NUTS included: ready for ``az.compare``.
 
@@ -515,8 +542,9 @@ def comparison_to_inference_data(result, model, args=(), kwargs=None, max_plate_
     out = {}
     if result.nuts is not None:
         attrs = {} if result.nuts_ksd is None else _diagnostic_attrs(result.nuts_ksd)
-        out["nuts"] = to_inference_data(model, args, kwargs, result.nuts, method="nuts",
-                                        attrs=attrs, **common)
+        out["nuts"] = to_inference_data(
+            model, args, kwargs, result.nuts, method="nuts", attrs=attrs, **common
+        )
     for name, r in result.methods.items():
         if r.failure is None:  # a fit that stopped has no draws to export
             out[name] = to_inference_data(model, args, kwargs, r, method=name, **common)
@@ -526,9 +554,14 @@ def comparison_to_inference_data(result, model, args=(), kwargs=None, max_plate_
 def _diagnostics_of(source, model, args, kwargs, draws, mpn, seed):
     """:func:`_diagnostic_attrs` computed for the exported ``draws`` of ``source``."""
     pre = getattr(source, "preconditioner", None)
-    ksd = stein_discrepancy(model, draws, *args, max_plate_nesting=mpn,
-                            preconditioner=pre if isinstance(pre, Preconditioner) else None,
-                            **kwargs)
+    ksd = stein_discrepancy(
+        model,
+        draws,
+        *args,
+        max_plate_nesting=mpn,
+        preconditioner=pre if isinstance(pre, Preconditioner) else None,
+        **kwargs,
+    )
     k_hat = math.nan
     if has_log_density(source):
         rng = pyro.util.get_rng_state()
@@ -545,8 +578,11 @@ def _diagnostic_attrs(ksd=None, k_hat=math.nan):
     """Posterior attrs of the checks that need no NUTS (absent ones left out)."""
     attrs = {}
     if ksd is not None:
-        attrs.update(ksd=ksd.ksd, ksd_noise_level=ksd.noise_level,
-                     ksd_squared_unbiased=ksd.ksd_squared_unbiased)
+        attrs.update(
+            ksd=ksd.ksd,
+            ksd_noise_level=ksd.noise_level,
+            ksd_squared_unbiased=ksd.ksd_squared_unbiased,
+        )
     if math.isfinite(k_hat):
         attrs["pareto_k"] = k_hat
     return attrs

@@ -31,8 +31,6 @@ __all__ = [
 ]
 
 
-
-
 def prior_trace(model, args=(), kwargs=None):
     """One plain (prior) run of the model, blocked from outer handlers, without gradients:
     what :func:`latent_shapes_of` and :func:`~pyro_implicit.latent.plate_nesting` read."""
@@ -120,8 +118,9 @@ def source_kind(source):
     )
 
 
-def posterior_draws(source, model, args=(), kwargs=None, num_samples=1000,
-                    max_plate_nesting=None, shapes=None):
+def posterior_draws(
+    source, model, args=(), kwargs=None, num_samples=1000, max_plate_nesting=None, shapes=None
+):
     """Posterior draws of the model's latent sites from a fitted approximation.
 
     :param source: a Pyro guide (``ImplicitAutoGuide`` subclasses draw through

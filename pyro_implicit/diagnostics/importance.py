@@ -110,8 +110,7 @@ def pareto_smooth(log_weights):
     lw = lw - lw.max()
     tail_len = math.ceil(min(0.2 * num, 3 * math.sqrt(num)))
     order = torch.argsort(lw)
-    cutoff = max(float(lw[order[-tail_len - 1]]) if tail_len < num else -math.inf,
-                 math.log(1e-15))
+    cutoff = max(float(lw[order[-tail_len - 1]]) if tail_len < num else -math.inf, math.log(1e-15))
     tail = order[lw[order] > cutoff]
     smoothed = lw.clone()
     if float(lw.min()) > -1e-12:
@@ -190,8 +189,7 @@ class ImportanceResult:
         :return: ``{site: (num_samples, *site_shape)}``.
         """
         num = self.num_draws if num_samples is None else int(num_samples)
-        idx = torch.multinomial(self.log_weights.exp(), num, replacement=True,
-                                generator=generator)
+        idx = torch.multinomial(self.log_weights.exp(), num, replacement=True, generator=generator)
         return {k: v[idx.to(v.device)] for k, v in self.draws.items()}
 
 
@@ -226,8 +224,9 @@ def _linearised_draws(guide, num_samples):
         eye = torch.eye(d, dtype=torch.float64, device=ref.device)
         chol = torch.linalg.cholesky(jac.mT @ jac + var * eye)
         proj = torch.cholesky_solve((jac.mT @ resid.unsqueeze(-1)), chol).squeeze(-1)
-        maha = (resid.pow(2).sum(-1) - (jac.mT @ resid.unsqueeze(-1)).squeeze(-1).mul(proj)
-                .sum(-1)) / var
+        maha = (
+            resid.pow(2).sum(-1) - (jac.mT @ resid.unsqueeze(-1)).squeeze(-1).mul(proj).sum(-1)
+        ) / var
         log_det = 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1) + (dim - d) * math.log(var)
         log_q = -0.5 * (maha + log_det + dim * math.log(2 * math.pi))
         us.append(pre.unwhiten(white))
@@ -318,8 +317,13 @@ def _pyro_log_weights(model, guide, args, kwargs, num_samples, max_plate_nesting
                 "on the full data"
             )
     log_w, model_trace, _ = vectorized_importance_weights(
-        model, guide, *args, num_samples=num_samples, max_plate_nesting=max_plate_nesting,
-        normalized=False, **kwargs,
+        model,
+        guide,
+        *args,
+        num_samples=num_samples,
+        max_plate_nesting=max_plate_nesting,
+        normalized=False,
+        **kwargs,
     )
     shapes = latent_shapes(model, *args, **kwargs)
     draws = {
@@ -330,8 +334,9 @@ def _pyro_log_weights(model, guide, args, kwargs, num_samples, max_plate_nesting
 
 
 @torch.no_grad()
-def importance_weights(model, guide, *args, num_samples=1000, max_plate_nesting=None,
-                       num_mixing=1000, **kwargs):
+def importance_weights(
+    model, guide, *args, num_samples=1000, max_plate_nesting=None, num_mixing=1000, **kwargs
+):
     """Draws of ``guide`` with their Pareto-smoothed importance weights and k-hat.
 
     :param callable model: the Pyro model.
@@ -347,8 +352,9 @@ def importance_weights(model, guide, *args, num_samples=1000, max_plate_nesting=
     """
     if num_samples < 100:
         raise ValueError(f"PSIS needs num_samples >= 100 for its tail fit, got {num_samples}")
-    draws, raw, label = _log_weights(model, guide, args, kwargs, num_samples,
-                                     max_plate_nesting, num_mixing)
+    draws, raw, label = _log_weights(
+        model, guide, args, kwargs, num_samples, max_plate_nesting, num_mixing
+    )
     raw = raw.detach()
     smoothed, k_hat = pareto_smooth(raw)
     ess = float(1.0 / smoothed.exp().pow(2).sum())

@@ -107,11 +107,21 @@ class ComparisonResult:
             "peak_mb"}`` (the NUTS columns ``nan`` and no NUTS row without a reference).
         :rtype: list[dict]
         """
-        out = [_row(name, r.metrics, r.wall_time, r.peak_mb, r.ksd, r.k_hat)
-               for name, r in self.methods.items()]
+        out = [
+            _row(name, r.metrics, r.wall_time, r.peak_mb, r.ksd, r.k_hat)
+            for name, r in self.methods.items()
+        ]
         if self.has_reference:
-            out.append(_row(NUTS_ROW, self.nuts_metrics, self.nuts.wall_time,
-                            self.nuts_peak_mb, self.nuts_ksd, math.nan))
+            out.append(
+                _row(
+                    NUTS_ROW,
+                    self.nuts_metrics,
+                    self.nuts.wall_time,
+                    self.nuts_peak_mb,
+                    self.nuts_ksd,
+                    math.nan,
+                )
+            )
         return out
 
     def site_rows(self):
@@ -130,9 +140,15 @@ class ComparisonResult:
         named = [(n, r.metrics) for n, r in self.methods.items() if r.metrics is not None]
         for name, metrics in named + [(NUTS_ROW, self.nuts_metrics)]:
             for site, m in metrics["sites"].items():
-                out.append({"method": name, "site": site, **m,
-                            "nuts_r_hat_max": diag.get(site, {}).get("r_hat_max", math.nan),
-                            "nuts_ess_min": diag.get(site, {}).get("ess_min", math.nan)})
+                out.append(
+                    {
+                        "method": name,
+                        "site": site,
+                        **m,
+                        "nuts_r_hat_max": diag.get(site, {}).get("r_hat_max", math.nan),
+                        "nuts_ess_min": diag.get(site, {}).get("ess_min", math.nan),
+                    }
+                )
         return out
 
     def nuts_diagnostics(self):
@@ -152,8 +168,10 @@ class ComparisonResult:
     def nuts_summary(self):
         """One line on the NUTS reference: chains, draws, R-hat, ESS, divergences."""
         if not self.has_reference:
-            return ("No NUTS reference (nuts=False): KSD and k-hat are the only checks; "
-                    "compare a fit's KSD with the others' (same coordinates).")
+            return (
+                "No NUTS reference (nuts=False): KSD and k-hat are the only checks; "
+                "compare a fit's KSD with the others' (same coordinates)."
+            )
         nuts = self.nuts
         first = next(iter(nuts.samples_by_chain.values()))
         chains, draws = first.shape[:2]
@@ -166,8 +184,10 @@ class ComparisonResult:
         )
         weak = nuts.weakness()
         if weak:
-            line += (f"\nWEAK REFERENCE ({weak}): the error columns are noisy or biased; "
-                     "run NUTS longer (nuts_kwargs / --nuts-samples, --nuts-warmup)")
+            line += (
+                f"\nWEAK REFERENCE ({weak}): the error columns are noisy or biased; "
+                "run NUTS longer (nuts_kwargs / --nuts-samples, --nuts-warmup)"
+            )
         return line
 
     def _header(self):
@@ -200,8 +220,9 @@ class ComparisonResult:
 
         rule = "  ".join("-" * w for w in widths)
         body = [line(cells[0]), rule] + [line(r) for r in cells[1:]]
-        return "\n".join(body + ["", self.nuts_summary()] + self._failures()
-                         + textwrap.wrap(self._key(), 100))
+        return "\n".join(
+            body + ["", self.nuts_summary()] + self._failures() + textwrap.wrap(self._key(), 100)
+        )
 
     def to_markdown(self, per_site=False):
         """The comparison as a Markdown table followed by the NUTS summary.
@@ -216,9 +237,14 @@ class ComparisonResult:
         else:
             header, rows = self._header(), [self._format(row) for row in self.rows()]
             key = self._key()
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join(["---"] * (2 if per_site else 1)
-                                + ["---:"] * (len(header) - (2 if per_site else 1))) + "|"]
+        lines = [
+            "| " + " | ".join(header) + " |",
+            "|"
+            + "|".join(
+                ["---"] * (2 if per_site else 1) + ["---:"] * (len(header) - (2 if per_site else 1))
+            )
+            + "|",
+        ]
         lines += ["| " + " | ".join(cells) + " |" for cells in rows]
         return "\n".join(lines + ["", self.nuts_summary()] + self._failures() + ["", key])
 
@@ -300,8 +326,10 @@ class ComparisonResult:
             "acceptance_rate_by_chain": list(nuts.acceptance_rate_by_chain),
             "seeds": list(nuts.seeds),
             "sites": {
-                site: {"r_hat": d["r_hat"].reshape(-1).tolist(),
-                       "ess": d["ess"].reshape(-1).tolist()}
+                site: {
+                    "r_hat": d["r_hat"].reshape(-1).tolist(),
+                    "ess": d["ess"].reshape(-1).tolist(),
+                }
                 for site, d in nuts.diagnostics.items()
             },
             "split_half_metrics": self.nuts_metrics,
@@ -309,8 +337,18 @@ class ComparisonResult:
         }
 
 
-_HEADER = ("method", "mean err", "sd ratio", "W1 max", "energy", "corr err", "KSD", "k-hat",
-           "seconds", "peak MB")
+_HEADER = (
+    "method",
+    "mean err",
+    "sd ratio",
+    "W1 max",
+    "energy",
+    "corr err",
+    "KSD",
+    "k-hat",
+    "seconds",
+    "peak MB",
+)
 _NO_REFERENCE_HEADER = ("method", "KSD", "k-hat", "seconds", "peak MB")
 _KEY = (
     "mean err: max |mean - NUTS mean| / NUTS sd; sd ratio: min-max of sd / NUTS sd; "
@@ -328,8 +366,16 @@ _DIAGNOSTICS_KEY = (
 )
 
 
-_SITE_HEADER = ("method", "site", "coords", "mean err", "sd ratio", "W1 max", "NUTS r_hat",
-                "NUTS ESS")
+_SITE_HEADER = (
+    "method",
+    "site",
+    "coords",
+    "mean err",
+    "sd ratio",
+    "W1 max",
+    "NUTS r_hat",
+    "NUTS ESS",
+)
 _SITE_KEY = (
     "Per site: mean err, sd ratio (min-max) and W1 max over the site's coordinates, in NUTS "
     "sds; NUTS r_hat: largest split R-hat of the site's coordinates, NUTS ESS: smallest "
@@ -371,8 +417,17 @@ def _plain(x):
     return repr(x)
 
 
-_NO_METRICS = dict.fromkeys(("mean_error_max", "sd_ratio_min", "sd_ratio_max", "w1_max",
-                             "energy_distance", "correlation_error_max"), math.nan)
+_NO_METRICS = dict.fromkeys(
+    (
+        "mean_error_max",
+        "sd_ratio_min",
+        "sd_ratio_max",
+        "w1_max",
+        "energy_distance",
+        "correlation_error_max",
+    ),
+    math.nan,
+)
 
 
 def _row(name, metrics, seconds, peak_mb, ksd=None, k_hat=math.nan):

@@ -85,9 +85,7 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
         # r(z) as a function of the evaluation points only (eq. 7): its gradient at z = q_j
         # is sum_i coef_i dk(c_i, q_j)/dq_j = 2 sum_i coef_i k'_ij (q_j - c_i), with
         # k' = dk/d|c - q|^2 read off the Gram matrix already computed (q_j is centre j).
-        weights = coef[:, None] * kernel.derivative_wrt_squared_distance(
-            gram[:, :n_q], bandwidth
-        )
+        weights = coef[:, None] * kernel.derivative_wrt_squared_distance(gram[:, :n_q], bandwidth)
         grad_r = 2.0 * (weights.sum(0)[:, None] * centres[:n_q] - weights.T @ centres)
     # value r_value, gradient grad_r: a first-order surrogate in the evaluation points
     r = r_value + (grad_r * (q - q.detach())).sum(-1)
@@ -286,7 +284,13 @@ class KernelRatioELBO(ImplicitELBO):
         self.kernel = RBFKernel() if kernel is None else kernel
         self.per_group = per_group
         if adaptive_contrast not in (
-            False, True, "auto", "diag", "full", "moments", "preconditioner"
+            False,
+            True,
+            "auto",
+            "diag",
+            "full",
+            "moments",
+            "preconditioner",
         ):
             raise ValueError(
                 "adaptive_contrast must be 'auto', False, 'diag' (True), 'full', 'moments' or "
@@ -354,9 +358,7 @@ class KernelRatioELBO(ImplicitELBO):
             finally:
                 pyro.util.set_rng_state(rng)
             self._links[key] = (
-                None
-                if deps is None
-                else {(a, b) for a, ups in deps.items() for b in ups if b != a}
+                None if deps is None else {(a, b) for a, ups in deps.items() for b in ups if b != a}
             )
         return self._links[key]
 
@@ -377,7 +379,8 @@ class KernelRatioELBO(ImplicitELBO):
         dim = z.shape[-1]
         if key not in self._contrast_moments:
             self._contrast_moments[key] = (
-                z.new_zeros(dim), torch.eye(dim, dtype=z.dtype, device=z.device)
+                z.new_zeros(dim),
+                torch.eye(dim, dtype=z.dtype, device=z.device),
             )
         mean, cov = self._contrast_moments[key]
         # a saturated ratio (most draws clipped on the last step: q has left r) re-anchors r
@@ -497,8 +500,16 @@ class KernelRatioELBO(ImplicitELBO):
         key = (id(model), id(guide))
         if self.compile and key not in self._fast_plans:
             self._fast_plans[key] = self._fast_plan(
-                model_trace, guide_trace, guide, args, kwargs, latents, names, exact_sites,
-                groups, ac,
+                model_trace,
+                guide_trace,
+                guide,
+                args,
+                kwargs,
+                latents,
+                names,
+                exact_sites,
+                groups,
+                ac,
             )
         # The KL estimate is built to have the eq. (7) gradient, so value and surrogate
         # coincide here.
@@ -521,8 +532,9 @@ class KernelRatioELBO(ImplicitELBO):
             self._saturated[key] = info["clipped_fraction"] > 0.5
         return -log_r.mean() - kl, kl, info
 
-    def _fast_plan(self, model_trace, guide_trace, guide, args, kwargs, latents, names,
-                   exact_sites, groups, ac):
+    def _fast_plan(
+        self, model_trace, guide_trace, guide, args, kwargs, latents, names, exact_sites, groups, ac
+    ):
         """What the traced path of the next steps needs, read once from a full step; ``None``
         where a step needs Pyro's traces: an ``AutoGuideList`` or several implicit guides,
         sites with an exact KL term, several groups, the prior as contrast, latent scales
@@ -623,8 +635,7 @@ class KernelRatioELBO(ImplicitELBO):
         implicit = _implicitly_drawn(guide_trace)
         exact = tuple(name for name in latents if name not in implicit)
         if links and exact and len(exact) < len(latents):
-            if any((a in exact) != (b in exact) for a, b in links
-                   if a in latents and b in latents):
+            if any((a in exact) != (b in exact) for a, b in links if a in latents and b in latents):
                 return ()
         return exact
 
@@ -782,8 +793,7 @@ def _whiten(contrast, q):
 
 def _common_scale(sites):
     scales = {
-        float(s["scale"]) if not torch.is_tensor(s["scale"]) else s["scale"].item()
-        for s in sites
+        float(s["scale"]) if not torch.is_tensor(s["scale"]) else s["scale"].item() for s in sites
     }
     if len(scales) != 1:
         raise ValueError(

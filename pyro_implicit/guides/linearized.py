@@ -215,9 +215,10 @@ class LinearizedGuide(ImplicitAutoGuide):
 
     def _log_normaliser(self):
         # the density is of u = m + L_pre (g(z) + sigma xi): log |det L_pre| joins
-        return self.latent_dim * (
-            math.log(self.sigma) + 0.5 * math.log(2 * math.pi)
-        ) + self.preconditioner.log_abs_det()
+        return (
+            self.latent_dim * (math.log(self.sigma) + 0.5 * math.log(2 * math.pi))
+            + self.preconditioner.log_abs_det()
+        )
 
     def sample_mixing(self, num_samples):
         """Draw ``(num_samples, d)`` base noise values z: the mixing variable of this
