@@ -53,7 +53,17 @@ have the guide list it in ``capabilities`` and put what the loss reads in its re
 from typing import Protocol, runtime_checkable
 
 from .errors import PairingError, UnsupportedPairError
-from .guides.base import IMPLICIT_FLAG, implicit_site_info
+
+#: key of the ``infer`` dict entry that marks a site whose density a loss must estimate
+IMPLICIT_FLAG = "pyro_implicit"
+
+
+def implicit_site_info(site):
+    """The ``infer[IMPLICIT_FLAG]`` record of a trace site (an implicit guide's draw), or
+    ``None``."""
+    infer = site.get("infer") or {}
+    return infer.get(IMPLICIT_FLAG)
+
 
 __all__ = [
     "BASE_SITE",

@@ -29,6 +29,8 @@ from pyro.infer.autoguide import AutoGuideList
 from pyro.infer.inspect import get_dependencies
 
 from ..compiled import BACKENDS
+from ..contract import SAMPLE
+from ..errors import UnsupportedPairError
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, squared_distances
 from ..latent import LatentSpace, preconditioner_of
@@ -241,7 +243,7 @@ class KernelRatioELBO(ImplicitELBO):
         ICLR 2018.
     """
 
-    required_capability = "sample"
+    required_capability = SAMPLE
 
     def __init__(
         self,
@@ -815,7 +817,7 @@ def _refuse_subsampled_latents(sites):
     for site in sites:
         for frame in site["cond_indep_stack"]:
             if frame.full_size is not None and frame.full_size != frame.size:
-                raise NotImplementedError(
+                raise UnsupportedPairError(
                     f"Latent site {site['name']!r} is a local latent inside the subsampled "
                     f"plate {frame.name!r} (size {frame.full_size}, subsample_size "
                     f"{frame.size}): KernelRatioELBO estimates the KL of global latents "

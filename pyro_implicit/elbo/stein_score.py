@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..contract import SAMPLE
 from ..kernels import RBFKernel, squared_distances
 from .kernel_ratio import KernelRatioELBO
 
@@ -163,7 +164,7 @@ class SteinScoreELBO(KernelRatioELBO):
         Shi, Shengyang Sun, Jun Zhu, ICML 2018.
     """
 
-    required_capability = "sample"
+    required_capability = SAMPLE
 
     def __init__(
         self,

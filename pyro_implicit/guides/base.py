@@ -29,16 +29,15 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
+from ..contract import IMPLICIT_FLAG, implicit_site_info
 from ..latent import LatentSpace, Preconditioner, resolve_precondition
 
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
 
-#: key of the ``infer`` dict entry that marks a site whose density a loss must estimate
-IMPLICIT_FLAG = "pyro_implicit"
 
 _LOSSES_HINT = (
     "Train implicit guides with a loss from pyro_implicit.elbo that estimates the entropy: "
-    "KernelRatioELBO works with every guide"
+    "SteinScoreELBO and KernelRatioELBO work with every guide"
 )
 
 
@@ -67,12 +66,6 @@ class ImplicitDelta(dist.Delta):
             "cannot be trained or scored with a loss that evaluates guide log-densities, "
             f"such as Trace_ELBO. {self.hint}."
         )
-
-
-def implicit_site_info(site):
-    """The ``infer["pyro_implicit"]`` record of a trace site, or ``None``."""
-    infer = site.get("infer") or {}
-    return infer.get(IMPLICIT_FLAG)
 
 
 class ImplicitAutoGuide(AutoContinuous):
@@ -391,18 +384,33 @@ class ImplicitAutoGuide(AutoContinuous):
             "are computed from samples."
         )
 
-    def sample_latent(self, *args, **kwargs):
-        """Draw the packed latent ``u`` as an auxiliary site (see the module docstring)."""
+    #: what :class:`ImplicitDelta`'s error says to train this guide with
+    _pairing_hint_text = _LOSSES_HINT
+
+    def _draw_noise(self):
+        """The draw's standard-normal noise, as auxiliary sample sites (hook: one site of
+        :attr:`noise_dim` values here)."""
         zero = self._noise_reference
-        noise = pyro.sample(
+        return pyro.sample(
             f"_{self._pyro_name}_noise",
             dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
             infer={"is_auxiliary": True},
         )
-        latent = self.preconditioner.unwhiten(self._latent_from_noise(noise))
+
+    def _sampler_output(self, noise):
+        """The sampler's output for :meth:`_draw_noise`'s noise (hook: where a guide also
+        records what its loss reads, e.g. SIVI's mixing draw); whitened when
+        :attr:`whitened`."""
+        return self._latent_from_noise(noise)
+
+    def sample_latent(self, *args, **kwargs):
+        """Draw the packed latent ``u`` as an auxiliary site (see the module docstring):
+        the noise (:meth:`_draw_noise`), the sampler (:meth:`_sampler_output`), then
+        :math:`u = m + L z` and the site that marks it implicit."""
+        latent = self.preconditioner.unwhiten(self._sampler_output(self._draw_noise()))
         return pyro.sample(
             f"_{self._pyro_name}_latent",
-            ImplicitDelta(latent, event_dim=1),
+            ImplicitDelta(latent, event_dim=1, hint=self._pairing_hint_text),
             infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
         )
 

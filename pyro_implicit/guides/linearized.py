@@ -35,7 +35,7 @@ from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_median
 
 from ..kernels import squared_distances
-from .base import IMPLICIT_FLAG, ImplicitAutoGuide, ImplicitDelta, default_noise_dim
+from .base import ImplicitAutoGuide, default_noise_dim
 from .networks import MLPGenerator
 from .scalable import CorrelatedMatrixGenerator
 
@@ -261,21 +261,23 @@ class LinearizedGuide(ImplicitAutoGuide):
             infer={"is_auxiliary": True},
         )
 
-    def sample_latent(self, *args, **kwargs):
-        """Draw ``u = g(z) + sigma xi`` and record the z of the draw for the loss."""
+    _pairing_hint_text = _PAIRING_HINT
+
+    def _draw_noise(self):
+        """Two noise sites: the generator's input z and the output noise xi."""
         z = self._standard_normal_site(f"_{self._pyro_name}_noise", self.noise_dim)
         xi = self._standard_normal_site(f"_{self._pyro_name}_output_noise", self.latent_dim)
+        return z, xi
+
+    def _sampler_output(self, noise):
+        """``g(z) + sigma xi``, recording the z of the draw for the loss."""
+        z, xi = noise
         if poutine.get_mask() is not False:
             # only losses read z (to differentiate g there); Predictive skips the site
             z = pyro.sample(
                 self._base_site_name(), dist.Delta(z, event_dim=1), infer={"is_auxiliary": True}
             )
-        latent = self.preconditioner.unwhiten(self.generator(z) + self.sigma * xi)
-        return pyro.sample(
-            f"_{self._pyro_name}_latent",
-            ImplicitDelta(latent, event_dim=1, hint=_PAIRING_HINT),
-            infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
-        )
+        return self.generator(z) + self.sigma * xi
 
     def latent_groups(self):
         """One group holding every latent site: q does not factorise across sites."""

@@ -36,7 +36,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
 from ..kernels import squared_distances
-from .base import IMPLICIT_FLAG, ImplicitAutoGuide, ImplicitDelta
+from .base import ImplicitAutoGuide
 from .networks import MLPGenerator
 
 __all__ = ["SemiImplicitGuide"]
@@ -273,15 +273,10 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         info["hint"] = _PAIRING_HINT
         return info
 
-    def sample_latent(self, *args, **kwargs):
+    _pairing_hint_text = _PAIRING_HINT
+
+    def _sampler_output(self, noise):
         """Draw ``u`` hierarchically; record the generating :math:`\\psi` for the loss."""
-        ref = self.conditional_log_scale
-        zero = torch.zeros((), dtype=ref.dtype, device=ref.device)
-        noise = pyro.sample(
-            f"_{self._pyro_name}_noise",
-            dist.Normal(zero, 1.0).expand([self.noise_dim]).to_event(1).mask(False),
-            infer={"is_auxiliary": True},
-        )
         eps, eta = self._split_noise(noise)
         psi = self.mixing(eps)
         if poutine.get_mask() is not False:
@@ -291,12 +286,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
                 dist.Delta(psi, event_dim=1),
                 infer={"is_auxiliary": True},
             )
-        latent = self.preconditioner.unwhiten(self._conditional_sample(psi, eta))
-        return pyro.sample(
-            f"_{self._pyro_name}_latent",
-            ImplicitDelta(latent, event_dim=1, hint=_PAIRING_HINT),
-            infer={"is_auxiliary": True, IMPLICIT_FLAG: self._implicit_info()},
-        )
+        return self._conditional_sample(psi, eta)
 
     def latent_groups(self):
         """One group holding every latent site: q does not factorise across sites."""
