@@ -180,7 +180,7 @@ class KernelRatioELBO(ImplicitELBO):
         Gaussian of the draws' own maximum-likelihood moments, unshrunk while
         ``num_particles > D + 1`` (its score is then exact at the draws for an affine
         generator; the kernel ratio estimates the rest; ``benchmarks/results/
-        stein_score.md`` measured it: the ratio's residual makes q too wide), or
+        stein_score_diagnosis.md`` measured it: the ratio's residual makes q too wide), or
         ``"preconditioner"``: the fixed
         Gaussian :math:`N(m, LL^\top)` of the guide's preconditioner
         (:mod:`pyro_implicit.latent`), so the kernel acts on the whitened draws, where q

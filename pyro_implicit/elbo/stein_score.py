@@ -31,7 +31,7 @@ draws). Here the estimate is split in two:
 
 The Gaussian part alone is the gradient of the entropy of the draws' Gaussian, an *upper*
 bound on q's entropy that a flexible generator exploits (heavy tails, over-wide q); the
-residual is what pulls q back (``benchmarks/results/stein_score.md``).
+residual is what pulls q back (``benchmarks/results/stein_score_diagnosis.md``).
 """
 
 import math
@@ -123,8 +123,8 @@ class SteinScoreELBO(KernelRatioELBO):
     in the coordinates that whiten the draws).
 
     **Why it is the default for sample-only guides.** On the stiff-posterior benchmark
-    (``benchmarks/results/stein_score.md``) it never diverged where the kernel ratio's
-    fits ran away, and its sd ratios stay near 1 on the near-Gaussian posteriors. Its
+    (``benchmarks/results/stiff.md``, ``stein_score_diagnosis.md``) it never diverged where
+    the kernel ratio's fits ran away, and its sd ratios stay near 1 on the near-Gaussian posteriors. Its
     limits: the Gaussian part is exact only with more draws than dimensions per group
     (``num_particles > D + 1``; beyond, it is the draws' diagonal Gaussian and the estimate
     misses q's correlations: use ``per_site`` guides or more particles), and the residual,
