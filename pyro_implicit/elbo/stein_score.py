@@ -124,12 +124,12 @@ class SteinScoreELBO(KernelRatioELBO):
 
     **Why it is the default for sample-only guides.** On the stiff-posterior benchmark
     (``benchmarks/results/stiff.md``, ``stein_score_diagnosis.md``) it never diverged where
-    the kernel ratio's fits ran away, and its sd ratios stay near 1 on the near-Gaussian posteriors. Its
-    limits: the Gaussian part is exact only with more draws than dimensions per group
-    (``num_particles > D + 1``; beyond, it is the draws' diagonal Gaussian and the estimate
-    misses q's correlations: use ``per_site`` guides or more particles), and the residual,
-    like every kernel estimate from ~100 draws, sees only coarse non-Gaussian shape (a
-    funnel's neck is out of its reach).
+    the kernel ratio's fits ran away, and its sd ratios stay near 1 on the near-Gaussian
+    posteriors. Its limits: the Gaussian part is exact only with more draws than dimensions
+    per group (``num_particles > D + 1``; beyond, it is the draws' diagonal Gaussian and the
+    estimate misses q's correlations: use ``per_site`` guides or more particles), and the
+    residual, like every kernel estimate from ~100 draws, sees only coarse non-Gaussian
+    shape (a funnel's neck is out of its reach).
 
     **The returned loss** is ``-``:math:`\hat{\mathcal L}` with the Gaussian entropy of the
     draws in place of q's: an upper bound on the entropy, so the value is optimistic; use it
