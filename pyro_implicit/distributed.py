@@ -35,6 +35,10 @@ A loss's own auxiliary optimiser (``GPVI_ELBO``'s helper network) is not synchro
 Checkpoints. Parameters and optimiser states are the same on every rank, so
 :func:`save_checkpoint` writes them once, from rank 0, with the random streams; every rank
 (of a run with any number of ranks, or one process) resumes with :func:`load_checkpoint`.
+A particle method is checkpointed the same way (``save_checkpoint(path, svgd)``): rank 0
+writes all N particles, gathered from the ranks in the sharded layout, with their
+optimiser state, and a run with another number of ranks (or one process) takes its own
+rows of them.
 
 Particle methods. :class:`~pyro_implicit.particles.WeightSpaceSVGD` runs across ranks
 with ``layout="replicated"`` (all particles on every rank, the data sharded) or
@@ -141,20 +145,44 @@ def _is_distributed(group):
     return dist.is_available() and dist.is_initialized()
 
 
+def _particle_method(obj):
+    from .particles import ParticleInference
+
+    return isinstance(obj, ParticleInference)
+
+
 def save_checkpoint(path, optim, group=None):
     """Write Pyro's parameter store, ``optim``'s state and the random streams to ``path``:
     from rank 0 only when ``torch.distributed`` is initialised (every rank then waits for
     the file), else from this process.
 
+    For a particle method (:class:`~pyro_implicit.particles.WeightSpaceSVGD`,
+    :class:`~pyro_implicit.particles.FunctionSpaceSVGD`, with or without ``layout=``)
+    pass the method itself: its :meth:`~pyro_implicit.particles.ParticleInference.
+    state_dict`, i.e. all N particles (gathered from every rank in the sharded layout),
+    the optimiser's state (the per-particle tensors gathered alike), the preconditioner,
+    the parameter store and the random streams. Call it on every rank.
+
     :param optim: the :class:`~pyro.optim.PyroOptim` of the fit (a
-        :class:`DistributedOptim` or any other).
+        :class:`DistributedOptim` or any other), or the particle method.
+    :param group: the process group (a particle method uses its layout's).
     """
-    rank = dist.get_rank(group) if _is_distributed(group) else 0
+    state = None
+    if _particle_method(optim):
+        layout = optim.distributed
+        group = None if layout is None else layout.group
+        state = optim.state_dict()  # a collective in the sharded layout
+        distributed = layout is not None
+    else:
+        distributed = _is_distributed(group)
+    rank = dist.get_rank(group) if distributed else 0
     if rank == 0:
-        torch.save({"params": pyro.get_param_store().get_state(),
-                    "optim": optim.get_state(),
-                    "rng": pyro.util.get_rng_state()}, path)
-    if _is_distributed(group):
+        if state is None:
+            state = {"params": pyro.get_param_store().get_state(),
+                     "optim": optim.get_state(),
+                     "rng": pyro.util.get_rng_state()}
+        torch.save(state, path)
+    if distributed:
         dist.barrier(group)
 
 
@@ -163,9 +191,18 @@ def load_checkpoint(path, optim):
     from the saving run's): the parameter store, ``optim``'s state (applied when its
     per-parameter optimisers are built) and the random streams.
 
-    :param optim: a fresh optimiser of the same kind as the saving run's.
+    For a particle method pass a fresh one built with the same arguments (``layout=``
+    and the number of ranks may differ, or one process): it takes this rank's rows of
+    the N particles and of their optimiser state on its next ``step``
+    (:meth:`~pyro_implicit.particles.ParticleInference.load_state_dict`).
+
+    :param optim: a fresh optimiser of the same kind as the saving run's, or a fresh
+        particle method.
     """
     state = torch.load(path, weights_only=False)
+    if _particle_method(optim):
+        optim.load_state_dict(state)
+        return
     store = pyro.get_param_store()
     store.clear()
     store.set_state(state["params"])

@@ -193,9 +193,9 @@ def _init(rank, world, store):
                              world_size=world, timeout=timedelta(seconds=30))
 
 
-def _fit_svgd(layout, method):
-    """SVGD_STEPS steps of WeightSpaceSVGD; all particles and the model parameters at
-    the end."""
+def _fit_svgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
+    """Steps ``start:stop`` of WeightSpaceSVGD (from the checkpoint ``load``, to the
+    checkpoint ``save`` if given); all particles and the model parameters at the end."""
     from pyro_implicit.distributed import gather_named_particles
     from pyro_implicit.particles import WeightSpaceSVGD
 
@@ -207,20 +207,25 @@ def _fit_svgd(layout, method):
     svgd = WeightSpaceSVGD(svgd_model, pyro.optim.Adam({"lr": 0.05}), PARTICLES,
                            max_plate_nesting=1, method=method, precondition=False,
                            layout=layout)
+    if load is not None:
+        load_checkpoint(load, svgd)
     shard = rank_shard if layout == "replicated" else (lambda batch: batch)
     batches = torch.Generator().manual_seed(1)
-    for _ in range(SVGD_STEPS):
+    for step in range(stop):
         batch = torch.randperm(N, generator=batches)[:GLOBAL_BATCH]
-        svgd.step(x, y, shard(batch))
+        if step >= start:
+            svgd.step(x, y, shard(batch))
+    if save is not None:
+        save_checkpoint(save, svgd)
     out = gather_named_particles(svgd)
     out.update({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
     return out
 
 
-def _fit_fsvgd(layout, method):
-    """SVGD_STEPS steps of FunctionSpaceSVGD on a small BNN (a learnt noise scale, so
-    model-parameter gradients too), random minibatches, extra points and prior draws;
-    all particles and the noise scale at the end."""
+def _fit_fsvgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
+    """Steps ``start:stop`` of FunctionSpaceSVGD on a small BNN (a learnt noise scale, so
+    model-parameter gradients too), random minibatches, extra points and prior draws (the
+    checkpoints as in _fit_svgd); all particles and the noise scale at the end."""
     from pyro_implicit.bnn import BNNRegression
     from pyro_implicit.distributed import gather_named_particles
     from pyro_implicit.particles import FunctionSpaceSVGD, KDEInputs
@@ -233,8 +238,12 @@ def _fit_fsvgd(layout, method):
     bnn = BNNRegression(2, (4,), precision_prior=None, learn_noise=True)
     fsvgd = FunctionSpaceSVGD(bnn, pyro.optim.Adam({"lr": 0.02}), PARTICLES, 1, method=method,
                               num_prior_samples=10, nu=KDEInputs(6), layout=layout)
-    for _ in range(SVGD_STEPS):
+    if load is not None:
+        load_checkpoint(load, fsvgd)
+    for _ in range(start, stop):
         fsvgd.step(x, y, subsample_size=GLOBAL_BATCH)
+    if save is not None:
+        save_checkpoint(save, fsvgd)
     out = gather_named_particles(fsvgd)
     out.update({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
     return out
@@ -254,7 +263,7 @@ def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
     rounding): the averaged scores with the prior counted once, the gathered particles
     (or function values) and kernel blocks, the shared initial particles and random
     streams, and the combined parameter gradients."""
-    fits, _ = two_rank_svgd
+    fits, _, _ = two_rank_svgd
     assert list(fits) == SVGD_RUNS
     for (kind, layout, method), distributed in fits.items():
         single = FITS[kind](None, method)
@@ -310,9 +319,19 @@ def rank_dependent_model(x, y, subsample):
         pyro.sample("obs", dist.Normal((x[i] * w[..., :2]).sum(-1), 0.3), obs=y[i])
 
 
+def _checkpoint(out, run):
+    return f"{out}.checkpoint.{'.'.join(run)}"
+
+
+#: the two-rank runs whose checkpoints one process resumes
+RESUMED_RUNS = [("wsvgd", "replicated", "svgd"), ("wsvgd", "sharded", "svgd"),
+                ("fsvgd", "sharded", "svgd")]
+
+
 def _svgd_rank(rank, world, store, out):
-    """Every SVGD_RUNS fit, then every error case; rank r saves ``(fits, errors)`` to
-    ``out.r`` (rank 0's fits only)."""
+    """Every SVGD_RUNS fit (checkpointed at its end), the one-process checkpoint
+    ``out.single`` resumed in the sharded layout, then every error case; rank r saves
+    ``(fits, errors, resumed)`` to ``out.r`` (rank 0's fits only)."""
     from pyro_implicit.particles import WeightSpaceSVGD
 
     _init(rank, world, store)
@@ -338,7 +357,15 @@ def _svgd_rank(rank, world, store, out):
         "one rank, function space": lambda: _fail_on_rank_1(x, y, batch, 2, True),
     }
     try:
-        fits = {run: FITS[run[0]](*run[1:]) for run in SVGD_RUNS}
+        fits = {
+            run: FITS[run[0]](*run[1:], save=_checkpoint(out, run) if run in RESUMED_RUNS
+                              else None)
+            for run in SVGD_RUNS
+        }
+        # one process's checkpoint after SVGD_STEPS steps, resumed with half of the
+        # particles (and of their Adam moments) on each rank
+        resumed = _fit_fsvgd("sharded", "svgd", SVGD_STEPS, 2 * SVGD_STEPS,
+                             load=f"{out}.single")
         for name, case in cases.items():
             pyro.clear_param_store()
             try:
@@ -346,7 +373,7 @@ def _svgd_rank(rank, world, store, out):
                 caught[name] = None
             except Exception as e:  # noqa: BLE001 - what each rank raised is the test
                 caught[name] = (type(e).__name__, str(e), getattr(e, "__notes__", []))
-        torch.save((fits if rank == 0 else None, caught), f"{out}.{rank}")
+        torch.save((fits if rank == 0 else None, caught, resumed), f"{out}.{rank}")
         tdist.barrier()
     finally:
         tdist.destroy_process_group()
@@ -355,11 +382,35 @@ def _svgd_rank(rank, world, store, out):
 @pytest.fixture(scope="module")
 def two_rank_svgd(tmp_path_factory):
     """One two-rank run (a spawn costs seconds) for the particle-layout tests: rank 0's
-    fits, and what each rank raised."""
+    fits, what each rank raised, and each rank's fit resumed from a one-process
+    checkpoint; the two-rank checkpoints are files next to ``out``."""
     out = tmp_path_factory.mktemp("svgd") / "result"
+    _fit_fsvgd(None, "svgd", save=f"{out}.single")
     _spawn(_svgd_rank, (str(out),))
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
-    return ranks[0][0], [caught for _, caught in ranks]
+    return ranks[0][0], [caught for _, caught, _ in ranks], (str(out), [r for *_, r in ranks])
+
+
+def test_particle_checkpoints_resume_with_another_number_of_ranks(two_rank_svgd):
+    """A checkpoint of two ranks after SVGD_STEPS steps (replicated, sharded; weight and
+    function space), resumed in one process for SVGD_STEPS more, ends where one
+    uninterrupted process ends; so does one process's checkpoint resumed on two ranks
+    with the particles sharded. The checkpoint holds all N particles (gathered), their
+    Adam moments (gathered, then re-sharded), the model's parameters and the random
+    streams (the function-space runs draw minibatches, extra points and prior
+    functions from them)."""
+    _, _, (out, resumed_on_two) = two_rank_svgd
+    straight = {kind: FITS[kind](None, "svgd", stop=2 * SVGD_STEPS) for kind in FITS}
+    runs = {run: FITS[run[0]](None, run[2], SVGD_STEPS, 2 * SVGD_STEPS,
+                              load=_checkpoint(out, run)) for run in RESUMED_RUNS}
+    runs.update({("fsvgd", "one process to two ranks", rank): fit
+                 for rank, fit in enumerate(resumed_on_two)})
+    for run, resumed in runs.items():
+        single = straight[run[0]]
+        assert resumed.keys() == single.keys() and len(single) >= 3
+        for name in single:
+            assert torch.allclose(resumed[name], single[name], rtol=1e-9, atol=1e-10), (
+                run, name)
 
 
 def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):
@@ -367,7 +418,7 @@ def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):
     sharded data plate (replicated), latent spaces that differ between ranks and a model
     failing on one rank only: every rank raises, none waits in a collective (whose
     timeout would then fail the run)."""
-    _, ranks = two_rank_svgd
+    _, ranks, _ = two_rank_svgd
     for caught in ranks:
         kind, message, _ = caught["divide"]
         assert kind == "ValueError" and "multiple of the world size" in message

@@ -380,8 +380,7 @@ class FunctionSpaceSVGD(ParticleInference):
             ``"log_likelihood"`` (mean over particles, with plate scaling) and
             ``"prior_score"`` (mean norm of the function-space prior score; 0 without one).
         """
-        first = self._sites is None
-        self._setup(args, kwargs)
+        first = self._setup(args, kwargs)
         n = self.num_particles
         with torch.enable_grad():
             local = {}
@@ -423,6 +422,11 @@ class FunctionSpaceSVGD(ParticleInference):
             "log_likelihood": log_lik.detach().mean().item(),
             "prior_score": local["prior_norm"],
         }
+
+    def _prime(self, args, kwargs):
+        with torch.enable_grad():
+            self._setup_function(args, kwargs)
+            self._local_scores(args, kwargs, True)
 
     def _local_scores(self, args, kwargs, first):
         """This process's particles: their function values ``f_all`` ``(n, rows, F)`` (with

@@ -36,6 +36,7 @@ length scale 1.00, 1.00, 0.98, 0.95-0.97 (``benchmarks/results/svgd_bandwidth.md
 """
 
 import collections
+import copy
 import math
 
 import pyro
@@ -374,11 +375,42 @@ class ParticleInference:
         self._sites = None
         self._torch_optim = None
         self.latent_dim = None
+        self._resume = None  # a state_dict waiting for the first step (load_state_dict)
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, args, kwargs):
+        """The set-up of the first step; ``True`` when the first step's own checks are still
+        to be made (a fresh start), ``False`` once set up or resumed from a checkpoint."""
         if self._sites is not None:
-            return
+            return False
+        resume = self._resume
+        if resume is None:
+            self._setup_fresh(args, kwargs)
+            return True
+        # resuming (load_state_dict): the same set-up and first-step checks as a fresh start,
+        # then the checkpoint's particles and optimiser state; the random draws they make
+        # are undone, so the streams stay those of the checkpoint
+        rng = pyro.util.get_rng_state()
+        try:
+            pre = resume["preconditioner"]
+            self._precondition = False if pre.is_identity else pre  # no new search
+            self._setup_fresh(args, kwargs)
+            if self.distributed is None:
+                self._prime(args, kwargs)
+            else:
+                self.distributed.agree(lambda: self._prime(args, kwargs))
+            self._install(resume)
+        finally:
+            self._resume = None
+            pyro.util.set_rng_state(rng)
+        return False
+
+    def _prime(self, args, kwargs):
+        """The first step's one-off checks and set-up (shapes, compiled scores, ...),
+        without an update: run when resuming from a checkpoint."""
+        raise NotImplementedError
+
+    def _setup_fresh(self, args, kwargs):
         if self.distributed is None:
             self._setup_space(args, kwargs)
             init = self._initial_particles(args, kwargs, self.space.dtype)
@@ -476,6 +508,148 @@ class ParticleInference:
                 )
             rows.append(u)
         return torch.cat(rows, dim=-1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_rows(self):
+        return slice(None) if self.distributed is None else self.distributed.rows
+
+    def state_dict(self):
+        """Everything a fit needs to resume: all N particles (gathered from the ranks with
+        ``layout="sharded"``, so a collective: call it on every rank), the optimiser's
+        state (the per-particle tensors, e.g. Adam's moments, gathered the same way), the
+        preconditioner, Pyro's parameter store (the model's ``pyro.param`` values) and the
+        random streams. :func:`~pyro_implicit.distributed.save_checkpoint` writes it from
+        rank 0; :meth:`load_state_dict` resumes from it with any number of ranks.
+
+        :rtype: dict
+        """
+        if self._sites is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no particles to checkpoint yet: call step(*args) "
+                "first"
+            )
+        sharded = self.distributed is not None and self.distributed.layout == "sharded"
+
+        def gather(t):
+            return self.distributed.gather(t) if sharded else t
+
+        particles = gather(self.particles.detach()).clone()
+        return {
+            "type": type(self).__name__,
+            "method": self.method,
+            "layout": None if self.distributed is None else self.distributed.layout,
+            "num_particles": len(particles),
+            "latent_dim": self.latent_dim,
+            "particles": particles,
+            "optim": self._optim_state(gather),
+            "preconditioner": copy.deepcopy(self.preconditioner),
+            "params": copy.deepcopy(pyro.get_param_store().get_state()),
+            "rng": pyro.util.get_rng_state(),
+        }
+
+    def _optim_state(self, gather):
+        """The optimiser's state: the particles' (their tensors shaped like the particles,
+        e.g. Adam's moments, gathered over all N rows; the others, e.g. Adam's step
+        count, the same on every rank) and the model parameters' (the same on every
+        rank)."""
+        p = self.particles
+        if self._torch_optim is not None:
+            out = {"torch": copy.deepcopy(self._torch_optim.state_dict())}
+            particle_state = out["torch"]["state"].get(0, {})
+        else:
+            opt = self.optim.optim_objs.get(p)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise NotImplementedError(
+                    "checkpoints of particle methods hold plain torch optimisers' states (a "
+                    f"pyro.optim.PyroOptim of one), not a {type(opt).__name__}"
+                )
+            from pyro.optim.optim import _get_state_dict
+
+            store = pyro.get_param_store()
+            params = set(map(id, self.model_parameters()))
+            out = {
+                "particles": copy.deepcopy(opt.state_dict()),
+                "params": {
+                    store.param_name(q): copy.deepcopy(_get_state_dict(o))
+                    for q, o in self.optim.optim_objs.items()
+                    if id(q) in params
+                },
+            }
+            particle_state = out["particles"]["state"].get(0, {})
+        out["per_particle"] = sorted(
+            k for k, v in particle_state.items() if torch.is_tensor(v) and v.shape == p.shape
+        )
+        for k in out["per_particle"]:  # the same keys, in the same order, on every rank
+            particle_state[k] = gather(particle_state[k])
+        return out
+
+    def load_state_dict(self, state):
+        """Resume from :meth:`state_dict` (of a run with any number of ranks, or of one
+        process), into a particle method built with the same arguments that has not
+        stepped yet. Pyro's parameter store and the random streams are restored now; the
+        particles, the optimiser's state and the preconditioner on the next :meth:`step`
+        (which needs the model's arguments to set the method up): this rank's rows of the N
+        particles (``layout="sharded"``) or all of them, and the same rows of the
+        per-particle optimiser state. The set-up's own random draws are undone, so the
+        step continues the checkpoint's random streams.
+        """
+        if self._sites is not None:
+            raise ValueError(
+                "load_state_dict resumes a particle method that has not stepped yet: build a "
+                "fresh one with the same arguments and load into it"
+            )
+        total = self.num_particles if self.distributed is None else self.distributed.num_particles
+        if state.get("type") != type(self).__name__ or state["num_particles"] != total:
+            raise ValueError(
+                f"the checkpoint holds {state['num_particles']} particles of a "
+                f"{state.get('type')}, not {total} of a {type(self).__name__}"
+            )
+        kind = "particles" if isinstance(self.optim, PyroOptim) else "torch"
+        if kind not in state["optim"]:
+            raise ValueError(
+                "the checkpoint's optimiser state is of the other kind (a pyro.optim.PyroOptim "
+                "against a callable params -> torch.optim.Optimizer): build the method with "
+                "the same kind of optimiser as the saving run"
+            )
+        store = pyro.get_param_store()
+        store.clear()
+        store.set_state(copy.deepcopy(state["params"]))
+        pyro.util.set_rng_state(state["rng"])
+        self._resume = state
+
+    def _install(self, state):
+        """The checkpoint's particles and optimiser state, this rank's rows of them."""
+        rows = self._local_rows()
+        if tuple(state["particles"].shape[1:]) != (self.latent_dim,):
+            raise ValueError(
+                f"the checkpoint's particles have {state['particles'].shape[1]} coordinates, "
+                f"the model's packed latent {self.latent_dim}"
+            )
+        with torch.no_grad():
+            self.particles.copy_(state["particles"][rows])
+        optim = state["optim"]
+
+        def local(sd):
+            sd = copy.deepcopy(sd)
+            for k in optim["per_particle"]:
+                if sd["state"][0][k].shape != state["particles"].shape:
+                    raise ValueError(
+                        f"the checkpoint's optimiser state {k!r} has shape "
+                        f"{tuple(sd['state'][0][k].shape)}, not that of its particles "
+                        f"{tuple(state['particles'].shape)}"
+                    )
+                sd["state"][0][k] = sd["state"][0][k][rows].clone()
+            return sd
+
+        if self._torch_optim is not None:
+            self._torch_optim.load_state_dict(local(optim["torch"]))
+            return
+        p = self.particles
+        self.optim.optim_objs[p] = self.optim._get_optim(p)
+        self.optim.grad_clip[p] = self.optim._get_grad_clip(p)
+        self.optim.optim_objs[p].load_state_dict(local(optim["particles"]))
+        # the model's parameters: consumed when the optimiser first sees them
+        self.optim.set_state(copy.deepcopy(optim["params"]))
 
     # ------------------------------------------------------------------ model runs
     def _unpack(self, particles, log_jacobian=False):
@@ -754,8 +928,7 @@ class WeightSpaceSVGD(ParticleInference):
             length scale :math:`\\sigma`, :math:`k = \\exp(-d^2 / 2\\sigma^2)`) and
             ``"log_joint"`` (mean over particles, unconstrained space).
         """
-        first = self._sites is None
-        self._setup(args, kwargs)
+        first = self._setup(args, kwargs)
         if self.distributed is None:
             self._check_finite()
             log_joint, score, param_grads = self._scores(args, kwargs, first)
@@ -787,6 +960,9 @@ class WeightSpaceSVGD(ParticleInference):
             "bandwidth": d.bandwidth.item(),
             "log_joint": log_joint.detach().mean().item(),
         }
+
+    def _prime(self, args, kwargs):
+        self._scores(args, kwargs, True)
 
     def _scores(self, args, kwargs, first):
         """``(log_joint, score, param_grads)`` of this process's particles: ``(N,)``,
