@@ -43,7 +43,7 @@ rows of them.
 Particle methods. :class:`~pyro_implicit.particles.WeightSpaceSVGD` runs across ranks
 with ``layout="replicated"`` (all particles on every rank, the data sharded) or
 ``layout="sharded"`` (the particles sharded, the data on every rank);
-:class:`~pyro_implicit.particles.FunctionSpaceSVGD` with ``layout="sharded"``; see
+:class:`~pyro_implicit.particles.FunctionSpaceSVGD` with either layout; see
 :class:`ParticleLayout`. They take a plain optimiser: the layout combines the scores and
 the model parameters' gradients itself.
 

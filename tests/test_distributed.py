@@ -249,12 +249,53 @@ def _fit_fsvgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
     return out
 
 
+def function_model(x, y=None, subsample=None):
+    """A small non-linear regression recording ``f``; a per-particle noise scale (a site
+    that does not feed ``f``) and a model parameter in the likelihood."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    scale = pyro.sample("scale", dist.LogNormal(-1.0, 0.5))
+    shift = pyro.param("shift", torch.tensor(0.1))
+    with pyro.plate("data", len(x), subsample=subsample) as i:
+        f = pyro.deterministic("f", torch.tanh((x[i] * w).sum(-1)) * 2.0, event_dim=0)
+        pyro.sample("obs", dist.Normal(f + shift, scale), obs=None if y is None else y[i])
+
+
+def _fit_fsvgd_shards(layout, method, save=None):
+    """SVGD_STEPS steps of FunctionSpaceSVGD on function_model, the global minibatches
+    passed as the data plate's subsample (each rank's share with layout="replicated"),
+    extra points and prior draws from the random streams; all particles and the model
+    parameter at the end."""
+    from pyro_implicit.distributed import gather_named_particles
+    from pyro_implicit.particles import FunctionSpaceSVGD, KDEInputs
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    fsvgd = FunctionSpaceSVGD(function_model, pyro.optim.Adam({"lr": 0.05}), PARTICLES, 1,
+                              method=method, num_prior_samples=10, nu=KDEInputs(6),
+                              layout=layout)
+    shard = rank_shard if layout == "replicated" else (lambda batch: batch)
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(SVGD_STEPS):
+        batch = torch.randperm(N, generator=batches)[:GLOBAL_BATCH]
+        fsvgd.step(x, y, shard(batch))
+    if save is not None:
+        save_checkpoint(save, fsvgd)
+    out = gather_named_particles(fsvgd)
+    out.update({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+    return out
+
+
 #: (method, layout, rule) runs compared with one process: w-SGLD's row sums and GFSF's
-#: solve need the whole kernel, gathered in the sharded layout
+#: solve need the whole kernel, gathered in the sharded layout (summed over the ranks'
+#: rows in the function-space replicated layout)
 SVGD_RUNS = [("wsvgd", "replicated", "svgd"), ("wsvgd", "sharded", "svgd"),
              ("wsvgd", "sharded", "wsgld"), ("wsvgd", "sharded", "gfsf"),
-             ("fsvgd", "sharded", "svgd")]
-FITS = {"wsvgd": _fit_svgd, "fsvgd": _fit_fsvgd}
+             ("fsvgd", "sharded", "svgd"), ("fsvgd_shards", "replicated", "svgd"),
+             ("fsvgd_shards", "replicated", "gfsf")]
+FITS = {"wsvgd": _fit_svgd, "fsvgd": _fit_fsvgd, "fsvgd_shards": _fit_fsvgd_shards}
 
 
 def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
@@ -269,6 +310,7 @@ def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
         single = FITS[kind](None, method)
         assert distributed.keys() == single.keys() and len(single) >= 3
         assert all(len(distributed[k]) == PARTICLES for k in ("w", "layer0") if k in single)
+        assert len({tuple(v.shape) for v in distributed.values()}) > 1  # not all empty
         for name in single:
             assert torch.allclose(distributed[name], single[name], rtol=1e-9, atol=1e-10), (
                 kind, layout, method, name)
@@ -400,7 +442,7 @@ def test_particle_checkpoints_resume_with_another_number_of_ranks(two_rank_svgd)
     streams (the function-space runs draw minibatches, extra points and prior
     functions from them)."""
     _, _, (out, resumed_on_two) = two_rank_svgd
-    straight = {kind: FITS[kind](None, "svgd", stop=2 * SVGD_STEPS) for kind in FITS}
+    straight = {kind: FITS[kind](None, "svgd", stop=2 * SVGD_STEPS) for kind in ("wsvgd", "fsvgd")}
     runs = {run: FITS[run[0]](None, run[2], SVGD_STEPS, 2 * SVGD_STEPS,
                               load=_checkpoint(out, run)) for run in RESUMED_RUNS}
     runs.update({("fsvgd", "one process to two ranks", rank): fit

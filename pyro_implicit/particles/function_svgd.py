@@ -34,7 +34,9 @@ import math
 
 import pyro.poutine as poutine
 import torch
+import torch.distributed as dist
 from pyro.poutine.util import site_is_subsample
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .prior_score import GaussianPriorScore
 from .svgd import ParticleInference, stein_direction
@@ -172,7 +174,19 @@ class FunctionSpaceSVGD(ParticleInference):
         functions as one process). A ``prior_score`` callable then sees this rank's
         particles only (the built-in ones score each particle on its own), and the
         ``"attractive"``, ``"repulsive"`` and ``"prior_score"`` diagnostics are means over
-        this rank's particles. ``"replicated"`` is not supported.
+        this rank's particles. ``"replicated"``: every rank holds all N particles and
+        runs the model on its share of the data (pass the data plate
+        ``subsample=rank_shard(batch)``); the kernel's ``(N, N)`` squared distances are
+        summed over the ranks' labelled rows (one ``all_reduce``, the extra points
+        counted once, on rank 0), each rank computes the function-space direction at its
+        own rows and pulls it back, and the pulled-back directions, the per-particle
+        sites' gradients and the model parameters' gradients are summed (a second
+        ``all_reduce``; the likelihood weighted by the rank's share of the global
+        minibatch, the priors counted once). The prior batch's labelled rows are chosen
+        from the whole global minibatch as one process would (their inputs and function
+        values shared by a small ``all_reduce``), so R ranks end where one process on
+        the whole minibatches ends. Every rank still runs the model at the extra points
+        (to keep the random streams shared).
     :param group: the process group of ``layout``.
 
     The model's observed sites are conditioned at the extra points (``call_at`` runs
@@ -203,12 +217,6 @@ class FunctionSpaceSVGD(ParticleInference):
         layout=None,
         group=None,
     ):
-        if layout == "replicated":
-            raise NotImplementedError(
-                "FunctionSpaceSVGD runs across ranks with layout='sharded' only (the particles "
-                "sharded, every rank on the whole minibatch): with the data sharded, the "
-                "kernel on function values would need every rank's labelled rows"
-            )
         super().__init__(
             model,
             optim,
@@ -381,6 +389,8 @@ class FunctionSpaceSVGD(ParticleInference):
             ``"prior_score"`` (mean norm of the function-space prior score; 0 without one).
         """
         first = self._setup(args, kwargs)
+        if self.distributed is not None and self.distributed.layout == "replicated":
+            return self._step_replicated(args, kwargs, first)
         n = self.num_particles
         with torch.enable_grad():
             local = {}
@@ -428,7 +438,119 @@ class FunctionSpaceSVGD(ParticleInference):
             self._setup_function(args, kwargs)
             self._local_scores(args, kwargs, True)
 
-    def _local_scores(self, args, kwargs, first):
+    def _step_replicated(self, args, kwargs, first):
+        """The step of ``layout="replicated"``: the data sharded, all N particles on every
+        rank (see the class's ``layout``)."""
+        layout = self.distributed
+        n, particles = self.num_particles, self.particles
+        local, error = {}, None
+        with torch.enable_grad():
+            try:
+                self._check_finite()
+                if first:
+                    self._setup_function(args, kwargs)
+                local.update(self._local_scores(args, kwargs, first, replicated=True))
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+            # every rank's share of the global minibatch, or every rank raises
+            head = particles.new_zeros(layout.world + 1)
+            head[-1] = float(error is not None)
+            if error is None:
+                head[layout.rank] = local["n_lab"]
+            dist.all_reduce(head, group=layout.group)
+            if head[-1] > 0:
+                layout.raise_together(error)
+            sizes = [int(v) for v in head[:-1].tolist()]
+            total, offset = sum(sizes), sum(sizes[: layout.rank])
+            f_all, n_lab = local["f_all"], local["n_lab"]
+            n_ext = f_all.shape[1] - n_lab
+            owner = layout.rank == 0  # the extra points' rows are counted on rank 0
+            weight = n_lab / total  # the rank's likelihood scale n / n_lab -> n / total
+            g_all = torch.cat(
+                [weight * local["g_lab"], f_all.new_zeros((n, n_ext) + f_all.shape[2:])], dim=1
+            ).detach()
+            prior_norm = 0.0
+            if self.prior_score is not None:
+                # the prior batch drawn from the global rows, as one process draws it
+                x_parts = local["x_parts"]
+                self._require_inputs(x_parts[0], "the function-space prior")
+                rows = self._prior_rows(total, n_ext).tolist()
+                x_p = x_parts[0].new_zeros((len(rows),) + x_parts[0].shape[1:])
+                f_p = f_all.new_zeros((n, len(rows)) + f_all.shape[2:])
+                cols = []  # (position in the prior batch, this rank's column)
+                for i, row in enumerate(rows):
+                    if offset <= row < offset + n_lab:
+                        cols.append((i, row - offset))
+                        x_p[i] = x_parts[0][row - offset]
+                    elif row >= total and owner:
+                        cols.append((i, n_lab + row - total))
+                        x_p[i] = x_parts[1][row - total]
+                for i, col in cols:
+                    f_p[:, i] = f_all.detach()[:, col]
+                parts = [x_p.to(f_p.dtype), f_p]
+                flat = _flatten_dense_tensors(parts)
+                dist.all_reduce(flat, group=layout.group)
+                x_p, f_p = _unflatten_dense_tensors(flat, parts)
+                x_p = x_p.to(x_parts[0].dtype)
+                score = self.prior_score(f_p, x_p, lambda k: self._sample_prior(x_p, k))
+                score = score.to(g_all)
+                for i, col in cols:
+                    g_all[:, col] += score[:, i]
+                prior_norm = score.reshape(n, -1).norm(dim=-1).mean().item()
+            # this rank's columns: its labelled rows, and the extra points on rank 0
+            width = f_all.shape[1] if owner else n_lab
+            z = f_all.detach()[:, :width].reshape(n, -1)
+            g = g_all[:, :width].reshape(n, -1)
+            reduced = {}
+
+            def reduce(d2):
+                parts = [d2, weight * local["log_lik"].detach()]
+                flat = _flatten_dense_tensors(parts)
+                dist.all_reduce(flat, group=layout.group)
+                d2, reduced["log_lik"] = _unflatten_dense_tensors(flat, parts)
+                return d2
+
+            d = stein_direction(z, g, self.kernel, self.method, reduce=reduce)
+            grad_out = torch.zeros_like(f_all)
+            grad_out[:, :width] = d.direction.reshape((n, width) + f_all.shape[2:])
+            (pulled,) = torch.autograd.grad(
+                f_all, self.particles, grad_outputs=grad_out, allow_unused=True
+            )
+        direction = torch.zeros_like(particles) if pulled is None else pulled.detach()
+
+        def combine(lik, prior):
+            out = 0.0 if lik is None else weight * lik.detach()
+            if owner and prior is not None:
+                out = out + prior.detach()
+            return out
+
+        for s, lik, prior in zip(self._aux, local["aux_grads"], local["aux_prior_grads"],
+                                 strict=True):
+            value = combine(lik, prior)
+            direction[:, s.start : s.stop] = value.reshape(n, -1) if torch.is_tensor(value) else 0.0
+        params = self.model_parameters()
+        param_grads = [
+            torch.zeros_like(p) + combine(lik, prior)
+            for p, lik, prior in zip(params, local["param_grads"], local["param_prior_grads"],
+                                     strict=True)
+        ]
+        norms = torch.stack([d.drive.pow(2).sum(-1), d.repulsion.pow(2).sum(-1)])
+        parts = [direction, norms] + [g_p.to(direction.dtype) for g_p in param_grads]
+        flat = _flatten_dense_tensors(parts)
+        dist.all_reduce(flat, group=layout.group)
+        direction, norms, *summed = _unflatten_dense_tensors(flat, parts)
+        param_grads = [g_p.to(p.dtype) for p, g_p in zip(params, summed, strict=True)]
+        self._apply(direction, [-g_p / n for g_p in param_grads])
+        drive, repulsion = norms.sqrt().mean(-1).tolist()
+        return {
+            "attractive": drive,
+            "repulsive": repulsion,
+            "bandwidth": d.bandwidth.item(),
+            "log_likelihood": reduced["log_lik"].mean().item(),
+            "prior_score": prior_norm,
+        }
+
+    def _local_scores(self, args, kwargs, first, replicated=False):
         """This process's particles: their function values ``f_all`` ``(n, rows, F)`` (with
         the graph to the particles) and scores ``g_all``, the per-particle
         log-likelihoods, the aux sites' gradients, the sums over particles of the model
@@ -450,10 +572,18 @@ class FunctionSpaceSVGD(ParticleInference):
         scored = set(observed) | set(aux_names)
         trace.compute_log_prob(site_filter=lambda name, s: name in scored)
         log_lik = self._particle_sum(trace, observed)
-        objective = log_lik.sum() + self._particle_sum(trace, aux_names).sum()
+        aux_prior = self._particle_sum(trace, aux_names).sum()
+        # the replicated layout weights the likelihood by the rank's share and counts the
+        # per-particle sites' prior once: their gradients apart
+        objective = log_lik.sum() + (0.0 if replicated else aux_prior)
         inputs = [site["value"]] + [views[name] for name in aux_names]
         params = self.model_parameters()
-        if objective.requires_grad:
+        prior_grads = [None] * (len(inputs) - 1 + len(params))
+        if replicated and torch.is_tensor(aux_prior) and aux_prior.requires_grad:
+            prior_grads = torch.autograd.grad(
+                aux_prior, inputs[1:] + params, retain_graph=True, allow_unused=True
+            )
+        if torch.is_tensor(objective) and objective.requires_grad:
             grads = torch.autograd.grad(
                 objective, inputs + params, retain_graph=True, allow_unused=True
             )
@@ -492,6 +622,18 @@ class FunctionSpaceSVGD(ParticleInference):
             x_parts.append(x_nu)
             g_parts.append(torch.zeros_like(f_ext).detach())
         f_all = torch.cat(parts, dim=1) if len(parts) > 1 else f_lab
+        if replicated:  # the prior score needs the other ranks' rows: in _step_replicated
+            return {
+                "f_all": f_all,
+                "g_lab": g_lab.detach(),
+                "n_lab": f_lab.shape[1],
+                "x_parts": x_parts,
+                "log_lik": log_lik,
+                "aux_grads": list(grads[1:]),
+                "aux_prior_grads": list(prior_grads[: len(aux_names)]),
+                "param_grads": param_grads,
+                "param_prior_grads": list(prior_grads[len(aux_names) :]),
+            }
         g_all = torch.cat(g_parts, dim=1)
 
         prior_norm = 0.0

@@ -100,7 +100,8 @@ def _pyro_kernel_terms(kernel, z):
     return k, repulsion, z.new_tensor(float("nan"))
 
 
-def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=None):
+def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=None,
+                    reduce=None):
     r"""Particle update direction of a POVI method (f-POVI, Table 1), as an ascent direction
     :math:`\phi_i = -v(z_i)`; the particles move by :math:`z_i \leftarrow z_i + \epsilon
     \phi_i`.
@@ -140,8 +141,16 @@ def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=N
         ``derivative_wrt_squared_distance`` methods), or a ``pyro.infer.SteinKernel``
         (``"svgd"`` only, multivariate, :math:`O(N^2 D)` memory; for comparisons).
     :param str method: one of :data:`METHODS`.
+    **A block of columns** (the coordinates split across processes, e.g. function values
+    at each rank's share of the data): with ``reduce``, ``particles`` and ``score`` hold
+    this rank's columns of all N particles and ``reduce`` sums the ``(N, N)`` squared
+    distances of the ranks' column blocks (an all-reduce); the directions returned are
+    this rank's columns (every rule of Table 1 acts column by column once the kernel
+    matrix is known).
+
     :param slice rows: the particles whose directions are wanted (default: all).
     :param callable gather: ``(len(rows), ...) -> (N, ...)``, see above.
+    :param callable reduce: ``(N, N) -> (N, N)``, see above (not with ``rows``).
     :rtype: SteinDirection (of ``len(rows)`` rows)
     """
     if method not in METHODS:
@@ -162,13 +171,17 @@ def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=N
             )
         k, repulsion, bandwidth = _pyro_kernel_terms(kernel, z)
         return SteinDirection((k @ g + repulsion) / n, k @ g / n, repulsion / n, bandwidth)
-    if method == "svgd" and rows is None:
+    if reduce is not None and rows is not None:
+        raise ValueError("stein_direction takes rows= or reduce=, not both")
+    if method == "svgd" and rows is None and reduce is None:
         k, repulsion, bandwidth = kernel.stein_terms(z)
         drive, rep = k @ g / n, repulsion / n
         return SteinDirection(drive + rep, drive, rep, bandwidth)
     # the rows' block of the kernel; one process: the block is the whole matrix
     z_rows, g_rows = (z, g) if rows is None else (z[rows], g[rows])
     d2_rows = squared_distances(z_rows, None if rows is None else z)
+    if reduce is not None:
+        d2_rows = reduce(d2_rows)
     if rows is None:
         d2 = d2_rows
     elif method == "svgd" and getattr(kernel, "fixed_bandwidth", None) is not None:
