@@ -87,8 +87,12 @@ def fit(x, y, steps, batch_size, shard, distributed, seed):
     if distributed:
         optim = DistributedOptim(optim)
     guide = AutoNormal(bnn)
-    svi = SVI(bnn, guide, optim, Trace_ELBO(num_particles=8, vectorize_particles=True,
-                                             max_plate_nesting=1))
+    svi = SVI(
+        bnn,
+        guide,
+        optim,
+        Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
+    )
     batches = torch.Generator().manual_seed(seed + 1)
     n = x.shape[0]
     svi.step(x, y, shard(torch.randperm(n, generator=batches)[:batch_size]))  # set-up
@@ -107,9 +111,15 @@ def fit_svgd(x, y, steps, batch_size, layout, num_particles, seed):
     pyro.set_rng_seed(seed)
     # eager scores: the minibatch indices change every step, so traced graphs would be
     # retraced, then dropped, within the first steps
-    svgd = WeightSpaceSVGD(bnn, pyro.optim.Adam({"lr": 1e-2}), num_particles,
-                           max_plate_nesting=1, precondition=False, compile=False,
-                           layout=layout)
+    svgd = WeightSpaceSVGD(
+        bnn,
+        pyro.optim.Adam({"lr": 1e-2}),
+        num_particles,
+        max_plate_nesting=1,
+        precondition=False,
+        compile=False,
+        layout=layout,
+    )
     shard = rank_shard if layout == "replicated" else (lambda b: b)
     batches = torch.Generator().manual_seed(seed + 1)
     n = x.shape[0]
@@ -129,8 +139,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true")
     p.add_argument("--method", choices=["svi", "wsvgd"], default="svi")
-    p.add_argument("--layout", choices=["replicated", "sharded"], default="replicated",
-                   help="wsvgd: the data or the particles sharded across ranks")
+    p.add_argument(
+        "--layout",
+        choices=["replicated", "sharded"],
+        default="replicated",
+        help="wsvgd: the data or the particles sharded across ranks",
+    )
     p.add_argument("--particles", type=int, default=64, help="wsvgd: number of particles")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -147,21 +161,23 @@ def main(argv=None):
         params, ms = fit(x, y, args.steps, args.batch_size, rank_shard, True, args.seed)
         what = "svi"
     else:
-        params, ms = fit_svgd(x, y, args.steps, args.batch_size, args.layout, args.particles,
-                              args.seed)
+        params, ms = fit_svgd(
+            x, y, args.steps, args.batch_size, args.layout, args.particles, args.seed
+        )
         what = f"wsvgd, {args.layout} layout, {args.particles} particles"
     times = [torch.zeros((), device=device) for _ in range(world)]
     tdist.all_gather(times, torch.tensor(ms, device=device))
     tdist.barrier()
     if rank == 0:
-        print(f"{what}: {world} process(es), global batch {args.batch_size}, {args.steps} "
-              f"steps: {max(float(t) for t in times):.2f} ms per step (slowest rank)",
-              flush=True)
+        print(
+            f"{what}: {world} process(es), global batch {args.batch_size}, {args.steps} "
+            f"steps: {max(float(t) for t in times):.2f} ms per step (slowest rank)",
+            flush=True,
+        )
         if args.check and args.method == "svi":
             single, _ = fit(x, y, args.steps, args.batch_size, lambda b: b, False, args.seed)
         elif args.check:
-            single, _ = fit_svgd(x, y, args.steps, args.batch_size, None, args.particles,
-                                 args.seed)
+            single, _ = fit_svgd(x, y, args.steps, args.batch_size, None, args.particles, args.seed)
         if args.check:
             diff = max(float((params[k] - single[k]).abs().max()) for k in single)
             print(f"max parameter difference vs one process: {diff:.3g}", flush=True)

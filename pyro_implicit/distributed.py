@@ -114,8 +114,9 @@ class DistributedOptim(PyroOptim):
             raise TypeError(
                 f"DistributedOptim wraps a pyro.optim.PyroOptim, got {type(pyro_optim).__name__}"
             )
-        super().__init__(pyro_optim.pt_optim_constructor, pyro_optim.pt_optim_args,
-                         pyro_optim.pt_clip_args)
+        super().__init__(
+            pyro_optim.pt_optim_constructor, pyro_optim.pt_optim_args, pyro_optim.pt_clip_args
+        )
         self.group = group
         self._broadcast = set()
 
@@ -178,9 +179,11 @@ def save_checkpoint(path, optim, group=None):
     rank = dist.get_rank(group) if distributed else 0
     if rank == 0:
         if state is None:
-            state = {"params": pyro.get_param_store().get_state(),
-                     "optim": optim.get_state(),
-                     "rng": pyro.util.get_rng_state()}
+            state = {
+                "params": pyro.get_param_store().get_state(),
+                "optim": optim.get_state(),
+                "rng": pyro.util.get_rng_state(),
+            }
         torch.save(state, path)
     if distributed:
         dist.barrier(group)
@@ -313,8 +316,10 @@ class ParticleLayout:
         self.block = {"rows": self.rows, "gather": self.gather} if sharded else {}
 
     def __repr__(self):
-        return (f"ParticleLayout({self.layout!r}, num_particles={self.num_particles}, "
-                f"rank {self.rank} of {self.world})")
+        return (
+            f"ParticleLayout({self.layout!r}, num_particles={self.num_particles}, "
+            f"rank {self.rank} of {self.world})"
+        )
 
     def _src(self):
         return 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -395,8 +400,11 @@ class ParticleLayout:
         local, drawn = inference.num_particles, []
         inference.num_particles = self.num_particles  # draw all N, as one process does
         try:
-            self.agree(lambda: drawn.append(
-                inference._initial_particles(args, kwargs, inference.space.dtype)))
+            self.agree(
+                lambda: drawn.append(
+                    inference._initial_particles(args, kwargs, inference.space.dtype)
+                )
+            )
         finally:
             inference.num_particles = local
         init = drawn[0].detach().contiguous()

@@ -62,8 +62,7 @@ def _fit(method, shard):
 
 
 def _rank(rank, world, store, out, method):
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                             world_size=world)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         params = _fit(method, rank_shard)
         if rank == 0:
@@ -128,8 +127,7 @@ def _fit_steps(start, stop, save=None, load=None):
 
 
 def _checkpoint_rank(rank, world, store, path):
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                             world_size=world)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         _fit_steps(0, 6, save=path)
     finally:
@@ -189,8 +187,13 @@ def _init(rank, world, store):
     # a collective that waits longer than this fails instead of hanging the test
     from datetime import timedelta
 
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                             world_size=world, timeout=timedelta(seconds=30))
+    tdist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
 
 
 def _fit_svgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
@@ -204,9 +207,15 @@ def _fit_svgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x, y = _data()
-    svgd = WeightSpaceSVGD(svgd_model, pyro.optim.Adam({"lr": 0.05}), PARTICLES,
-                           max_plate_nesting=1, method=method, precondition=False,
-                           layout=layout)
+    svgd = WeightSpaceSVGD(
+        svgd_model,
+        pyro.optim.Adam({"lr": 0.05}),
+        PARTICLES,
+        max_plate_nesting=1,
+        method=method,
+        precondition=False,
+        layout=layout,
+    )
     if load is not None:
         load_checkpoint(load, svgd)
     shard = rank_shard if layout == "replicated" else (lambda batch: batch)
@@ -236,8 +245,16 @@ def _fit_fsvgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
     pyro.set_rng_seed(0)
     x, y = _data()
     bnn = BNNRegression(2, (4,), precision_prior=None, learn_noise=True)
-    fsvgd = FunctionSpaceSVGD(bnn, pyro.optim.Adam({"lr": 0.02}), PARTICLES, 1, method=method,
-                              num_prior_samples=10, nu=KDEInputs(6), layout=layout)
+    fsvgd = FunctionSpaceSVGD(
+        bnn,
+        pyro.optim.Adam({"lr": 0.02}),
+        PARTICLES,
+        1,
+        method=method,
+        num_prior_samples=10,
+        nu=KDEInputs(6),
+        layout=layout,
+    )
     if load is not None:
         load_checkpoint(load, fsvgd)
     for _ in range(start, stop):
@@ -273,9 +290,16 @@ def _fit_fsvgd_shards(layout, method, save=None):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x, y = _data()
-    fsvgd = FunctionSpaceSVGD(function_model, pyro.optim.Adam({"lr": 0.05}), PARTICLES, 1,
-                              method=method, num_prior_samples=10, nu=KDEInputs(6),
-                              layout=layout)
+    fsvgd = FunctionSpaceSVGD(
+        function_model,
+        pyro.optim.Adam({"lr": 0.05}),
+        PARTICLES,
+        1,
+        method=method,
+        num_prior_samples=10,
+        nu=KDEInputs(6),
+        layout=layout,
+    )
     shard = rank_shard if layout == "replicated" else (lambda batch: batch)
     batches = torch.Generator().manual_seed(1)
     for _ in range(SVGD_STEPS):
@@ -291,10 +315,15 @@ def _fit_fsvgd_shards(layout, method, save=None):
 #: (method, layout, rule) runs compared with one process: w-SGLD's row sums and GFSF's
 #: solve need the whole kernel, gathered in the sharded layout (summed over the ranks'
 #: rows in the function-space replicated layout)
-SVGD_RUNS = [("wsvgd", "replicated", "svgd"), ("wsvgd", "sharded", "svgd"),
-             ("wsvgd", "sharded", "wsgld"), ("wsvgd", "sharded", "gfsf"),
-             ("fsvgd", "sharded", "svgd"), ("fsvgd_shards", "replicated", "svgd"),
-             ("fsvgd_shards", "replicated", "gfsf")]
+SVGD_RUNS = [
+    ("wsvgd", "replicated", "svgd"),
+    ("wsvgd", "sharded", "svgd"),
+    ("wsvgd", "sharded", "wsgld"),
+    ("wsvgd", "sharded", "gfsf"),
+    ("fsvgd", "sharded", "svgd"),
+    ("fsvgd_shards", "replicated", "svgd"),
+    ("fsvgd_shards", "replicated", "gfsf"),
+]
 FITS = {"wsvgd": _fit_svgd, "fsvgd": _fit_fsvgd, "fsvgd_shards": _fit_fsvgd_shards}
 
 
@@ -313,7 +342,11 @@ def test_svgd_layouts_on_two_processes_match_one(two_rank_svgd):
         assert len({tuple(v.shape) for v in distributed.values()}) > 1  # not all empty
         for name in single:
             assert torch.allclose(distributed[name], single[name], rtol=1e-9, atol=1e-10), (
-                kind, layout, method, name)
+                kind,
+                layout,
+                method,
+                name,
+            )
 
 
 def local_latent_model(x, y, subsample):
@@ -342,12 +375,25 @@ def _fail_on_rank_1(x, y, batch, good_steps, function_space=False):
     global _fail
     _fail = False
     if function_space:
-        svgd = FunctionSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4, 1,
-                                 num_prior_samples=4, nu=None, layout="sharded")
+        svgd = FunctionSpaceSVGD(
+            failing_model,
+            pyro.optim.Adam({"lr": 0.05}),
+            4,
+            1,
+            num_prior_samples=4,
+            nu=None,
+            layout="sharded",
+        )
     else:
-        svgd = WeightSpaceSVGD(failing_model, pyro.optim.Adam({"lr": 0.05}), 4,
-                               max_plate_nesting=1, precondition=False, compile=False,
-                               layout="sharded")
+        svgd = WeightSpaceSVGD(
+            failing_model,
+            pyro.optim.Adam({"lr": 0.05}),
+            4,
+            max_plate_nesting=1,
+            precondition=False,
+            compile=False,
+            layout="sharded",
+        )
     svgd.run(good_steps, x, y, batch)
     _fail = tdist.get_rank() == 1
     svgd.step(x, y, batch)
@@ -366,8 +412,11 @@ def _checkpoint(out, run):
 
 
 #: the two-rank runs whose checkpoints one process resumes
-RESUMED_RUNS = [("wsvgd", "replicated", "svgd"), ("wsvgd", "sharded", "svgd"),
-                ("fsvgd", "sharded", "svgd")]
+RESUMED_RUNS = [
+    ("wsvgd", "replicated", "svgd"),
+    ("wsvgd", "sharded", "svgd"),
+    ("fsvgd", "sharded", "svgd"),
+]
 
 
 def _svgd_rank(rank, world, store, out):
@@ -383,16 +432,27 @@ def _svgd_rank(rank, world, store, out):
     batch = torch.arange(GLOBAL_BATCH)
     cases = {
         # 2 ranks cannot share 5 particles evenly
-        "divide": lambda: WeightSpaceSVGD(svgd_model, pyro.optim.Adam({"lr": 0.05}), 5,
-                                          max_plate_nesting=1, layout="sharded"),
+        "divide": lambda: WeightSpaceSVGD(
+            svgd_model, pyro.optim.Adam({"lr": 0.05}), 5, max_plate_nesting=1, layout="sharded"
+        ),
         # a local latent in the sharded data plate
         "local": lambda: WeightSpaceSVGD(
-            local_latent_model, pyro.optim.Adam({"lr": 0.05}), 4, max_plate_nesting=1,
-            precondition=False, layout="replicated").step(x, y, rank_shard(batch)),
+            local_latent_model,
+            pyro.optim.Adam({"lr": 0.05}),
+            4,
+            max_plate_nesting=1,
+            precondition=False,
+            layout="replicated",
+        ).step(x, y, rank_shard(batch)),
         # latent spaces that differ between the ranks
         "differ": lambda: WeightSpaceSVGD(
-            rank_dependent_model, pyro.optim.Adam({"lr": 0.05}), 4, max_plate_nesting=1,
-            precondition=False, layout="replicated").step(x, y, rank_shard(batch)),
+            rank_dependent_model,
+            pyro.optim.Adam({"lr": 0.05}),
+            4,
+            max_plate_nesting=1,
+            precondition=False,
+            layout="replicated",
+        ).step(x, y, rank_shard(batch)),
         # the model raises on rank 1 only: in the set-up, and on the third step
         "one rank, set-up": lambda: _fail_on_rank_1(x, y, batch, 0),
         "one rank": lambda: _fail_on_rank_1(x, y, batch, 2),
@@ -400,14 +460,12 @@ def _svgd_rank(rank, world, store, out):
     }
     try:
         fits = {
-            run: FITS[run[0]](*run[1:], save=_checkpoint(out, run) if run in RESUMED_RUNS
-                              else None)
+            run: FITS[run[0]](*run[1:], save=_checkpoint(out, run) if run in RESUMED_RUNS else None)
             for run in SVGD_RUNS
         }
         # one process's checkpoint after SVGD_STEPS steps, resumed with half of the
         # particles (and of their Adam moments) on each rank
-        resumed = _fit_fsvgd("sharded", "svgd", SVGD_STEPS, 2 * SVGD_STEPS,
-                             load=f"{out}.single")
+        resumed = _fit_fsvgd("sharded", "svgd", SVGD_STEPS, 2 * SVGD_STEPS, load=f"{out}.single")
         for name, case in cases.items():
             pyro.clear_param_store()
             try:
@@ -443,16 +501,21 @@ def test_particle_checkpoints_resume_with_another_number_of_ranks(two_rank_svgd)
     functions from them)."""
     _, _, (out, resumed_on_two) = two_rank_svgd
     straight = {kind: FITS[kind](None, "svgd", stop=2 * SVGD_STEPS) for kind in ("wsvgd", "fsvgd")}
-    runs = {run: FITS[run[0]](None, run[2], SVGD_STEPS, 2 * SVGD_STEPS,
-                              load=_checkpoint(out, run)) for run in RESUMED_RUNS}
-    runs.update({("fsvgd", "one process to two ranks", rank): fit
-                 for rank, fit in enumerate(resumed_on_two)})
+    runs = {
+        run: FITS[run[0]](None, run[2], SVGD_STEPS, 2 * SVGD_STEPS, load=_checkpoint(out, run))
+        for run in RESUMED_RUNS
+    }
+    runs.update(
+        {
+            ("fsvgd", "one process to two ranks", rank): fit
+            for rank, fit in enumerate(resumed_on_two)
+        }
+    )
     for run, resumed in runs.items():
         single = straight[run[0]]
         assert resumed.keys() == single.keys() and len(single) >= 3
         for name in single:
-            assert torch.allclose(resumed[name], single[name], rtol=1e-9, atol=1e-10), (
-                run, name)
+            assert torch.allclose(resumed[name], single[name], rtol=1e-9, atol=1e-10), (run, name)
 
 
 def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):

@@ -400,8 +400,12 @@ class FunctionSpaceSVGD(ParticleInference):
                 if first:
                     self._setup_function(args, kwargs)
                 local.update(self._local_scores(args, kwargs, first))
-                return (local["f_all"].detach().reshape(n, -1), local["log_lik"].detach(),
-                        local["g_all"].reshape(n, -1), local["param_grads"])
+                return (
+                    local["f_all"].detach().reshape(n, -1),
+                    local["log_lik"].detach(),
+                    local["g_all"].reshape(n, -1),
+                    local["param_grads"],
+                )
 
             if self.distributed is None:
                 z, log_lik, g, param_grads = scores()
@@ -524,15 +528,17 @@ class FunctionSpaceSVGD(ParticleInference):
                 out = out + prior.detach()
             return out
 
-        for s, lik, prior in zip(self._aux, local["aux_grads"], local["aux_prior_grads"],
-                                 strict=True):
+        for s, lik, prior in zip(
+            self._aux, local["aux_grads"], local["aux_prior_grads"], strict=True
+        ):
             value = combine(lik, prior)
             direction[:, s.start : s.stop] = value.reshape(n, -1) if torch.is_tensor(value) else 0.0
         params = self.model_parameters()
         param_grads = [
             torch.zeros_like(p) + combine(lik, prior)
-            for p, lik, prior in zip(params, local["param_grads"], local["param_prior_grads"],
-                                     strict=True)
+            for p, lik, prior in zip(
+                params, local["param_grads"], local["param_prior_grads"], strict=True
+            )
         ]
         norms = torch.stack([d.drive.pow(2).sum(-1), d.repulsion.pow(2).sum(-1)])
         parts = [direction, norms] + [g_p.to(direction.dtype) for g_p in param_grads]

@@ -100,8 +100,7 @@ def _pyro_kernel_terms(kernel, z):
     return k, repulsion, z.new_tensor(float("nan"))
 
 
-def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=None,
-                    reduce=None):
+def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=None, reduce=None):
     r"""Particle update direction of a POVI method (f-POVI, Table 1), as an ascent direction
     :math:`\phi_i = -v(z_i)`; the particles move by :math:`z_i \leftarrow z_i + \epsilon
     \phi_i`.
@@ -538,8 +537,7 @@ class ParticleInference:
         """
         if self._sites is None:
             raise RuntimeError(
-                f"{type(self).__name__} has no particles to checkpoint yet: call step(*args) "
-                "first"
+                f"{type(self).__name__} has no particles to checkpoint yet: call step(*args) first"
             )
         sharded = self.distributed is not None and self.distributed.layout == "sharded"
 
