@@ -14,6 +14,10 @@ Usage::
         --out benchmarks/results/compiled_score.md
     python benchmarks/compiled_score.py --only-losses --loss-particles 100 --calls 200 \\
         --repeats 2 --out benchmarks/results/kernel_loss_steps.md
+    python benchmarks/compiled_score.py --only-losses --loss-particles 100 --calls 200 \
+        --repeats 2 --losses autonormal,stein-fx,asvgd-fx,kivi-fx \
+        --numpyro-python /path/to/env-with-numpyro/bin/python \
+        --out benchmarks/results/numpyro_steps.md
 """
 
 import argparse
@@ -154,13 +158,51 @@ KERNEL_LOSSES = (
 )
 
 
+def numpyro_steps(python, model_table, particles, steps, repeats, seed):
+    """NumPyro's jitted AutoNormal step on the same models and data
+    (``benchmarks/numpyro_steps.py`` under the interpreter ``python``, which has JAX and
+    NumPyro), as ``({model: {particles: {"ms_per_step", "compile_s"}}}, None)``, or
+    ``(None, reason)`` when it cannot run."""
+    import json
+    import tempfile
+
+    import numpy as np
+
+    if not python:
+        return None, "no --numpyro-python given"
+    arrays = {}
+    y, sigma = model_table["eight_schools"][1]
+    arrays.update(y=y.numpy(), sigma=sigma.numpy())
+    if "boston_bnn" in model_table:
+        _, (x, t), kwargs, _ = model_table["boston_bnn"]
+        arrays.update(x=x.numpy(), t=t.numpy(), subsample_size=kwargs["subsample_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.npz"
+        np.savez(path, **arrays)
+        script = Path(__file__).with_name("numpyro_steps.py")
+        cmd = [python, str(script), str(path), "--particles", str(particles)]
+        cmd += ["--steps", str(steps), "--repeats", str(repeats), "--seed", str(seed)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"{python} did not run: {e}"
+    if done.returncode != 0:
+        return None, f"{python} failed: {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1]), None
+
+
 def main_losses(args, command, commit):
-    """The SVI-step table alone, for :data:`KERNEL_LOSSES` (``--only-losses``)."""
+    """The SVI-step table alone, for :data:`KERNEL_LOSSES` (``--only-losses``), and with
+    ``--numpyro-python`` NumPyro's jitted step beside it."""
     rows = []
-    for name, (model, margs, mkwargs, mpn) in models().items():
+    model_table = models()
+    chosen = [n for n in KERNEL_LOSSES if n in args.losses.split(",")]
+    if "autonormal" not in chosen:
+        chosen.insert(0, "autonormal")
+    for name, (model, margs, mkwargs, mpn) in model_table.items():
         losses = {n: float("inf") for n in KERNEL_LOSSES}
         for _ in range(args.repeats):
-            for loss_name in KERNEL_LOSSES:
+            for loss_name in chosen:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
                 ms = time_loss(
@@ -224,11 +266,54 @@ def main_losses(args, command, commit):
             + " | ".join(cell(losses[f"{m}-fx"] / base, ".2f") for m in methods)
             + " |"
         )
+    lines += numpyro_lines(args, model_table, rows)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)
     return rows
+
+
+def numpyro_lines(args, model_table, rows):
+    """The NumPyro comparison of :func:`main_losses`'s results file, or the reason it is
+    missing."""
+    steps = args.calls // 2
+    measured, reason = numpyro_steps(
+        args.numpyro_python, model_table, args.loss_particles, steps, args.repeats, args.seed
+    )
+    if measured is None:
+        return ["", f"NumPyro row skipped: {reason}."]
+    n = str(args.loss_particles)
+    versions = ", ".join(f"{k} {v}" for k, v in measured["versions"].items())
+    timed = {m for _, losses in rows for m, v in losses.items() if v < float("inf")}
+    fx = [m for m in KERNEL_LOSSES if m.endswith("-fx") and m in timed]
+    lines = [
+        "",
+        f"NumPyro ({versions}) in the same run: `jax.jit(SVI.update)` of AutoNormal + "
+        f"Trace_ELBO(num_particles={n}, vectorize_particles=True) on the same model and data "
+        f"(`benchmarks/numpyro_steps.py`, one XLA thread, best of {args.repeats} repeats of "
+        f"{steps} steps after the compiling step and 5 more); the goal is at most 3x on eight "
+        "schools and below 1x on the BNN:",
+        "",
+        "| model | numpyro 1 particle ms | numpyro ms | compile s | autonormal / numpyro | "
+        + " | ".join(f"{m} / numpyro" for m in fx)
+        + " |",
+        "|---|" + "---:|" * (4 + len(fx)),
+    ]
+    for name, losses in rows:
+        if name not in measured:
+            continue
+        ref = measured[name][n]["ms_per_step"]
+        one = measured[name]["1"]["ms_per_step"]
+
+        def ratio(value, ref=ref):
+            return "-" if value == float("inf") else f"{value / ref:.1f}"
+
+        lines.append(
+            f"| {name} | {one:.3f} | {ref:.3f} | {measured[name][n]['compile_s']:.1f} | "
+            f"{ratio(losses['autonormal'])} | " + " | ".join(ratio(losses[m]) for m in fx) + " |"
+        )
+    return lines
 
 
 def main(argv=None):
@@ -249,6 +334,16 @@ def main(argv=None):
         "--only-losses",
         action="store_true",
         help="only the kernel losses' SVI steps (KernelRatioELBO, SteinScoreELBO)",
+    )
+    p.add_argument(
+        "--losses",
+        default=",".join(KERNEL_LOSSES),
+        help="with --only-losses, which of them to time (autonormal always)",
+    )
+    p.add_argument(
+        "--numpyro-python",
+        help="with --only-losses, an interpreter with JAX and NumPyro: time NumPyro's "
+        "jitted AutoNormal step on the same models in the same run",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
