@@ -6,10 +6,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=benchmarks/results
-# result files not written yet are left out (a table of none says so)
+# result files not written yet are left out (a table of none says so); a table whose splits
+# ran at several commits (or before commits were recorded) needs --mixed-commits and says so
 report() { python benchmarks/uci_report.py --missing-ok "$@"; }
 
 report $R/uci_kivi_gamma_precision.json $R/uci_kivi_gamma_precision_part2.json --paper kivi \
+  --mixed-commits \
   --title "KIVI (ImplicitGuide + KernelRatioELBO, the paper's settings and explicit Gamma precision)" \
   --out $R/uci.md --section kivi
 report $R/uci_kivi_part1.json $R/uci_kivi_part2.json --paper kivi \
@@ -19,7 +21,7 @@ report $R/uci_fsvgd.json $R/uci_fsvgd_large.json $R/uci_fsvgd_large_part2.json -
   --title "f-SVGD (FunctionSpaceSVGD), f-POVI UCI settings" \
   --out $R/uci_fsvgd.md --section fsvgd
 report $R/uci_fsvgd_wsvgd.json $R/uci_fsvgd_wsvgd_large.json $R/uci_fsvgd_wsvgd_large_part2.json \
-  --paper wsvgd \
+  --paper wsvgd --mixed-commits \
   --title "weight-space SVGD (WeightSpaceSVGD), same model and settings" \
   --out $R/uci_fsvgd.md --section wsvgd
 report $R/uci_livi.json $R/uci_livi_part2.json --paper livi \

@@ -12,6 +12,11 @@ With ``--section NAME`` the report replaces only the part of ``--out`` between t
 one level down), so that prose written around the tables survives a regeneration;
 ``benchmarks/make_uci_reports.sh`` regenerates every UCI table this way. The splits of a
 data set spread over several files (runs in parallel processes) are merged into one row.
+
+Every row's splits keep the commit they were run at (files from before the runner recorded
+commits show ``not recorded``). A report whose splits come from more than one commit is
+refused unless ``--mixed-commits`` is given, and then its first paragraph names the commits
+and which data sets they ran.
 """
 
 import argparse
@@ -156,14 +161,61 @@ def merge_datasets(runs, paths):
     return {name: (config, splits) for name, (config, splits, _, _) in merged.items()}
 
 
-def report(paths, title, paper=None):
+#: what a split without a recorded commit shows
+UNRECORDED = "not recorded"
+
+
+def split_commits(run):
+    """``{data set: sorted commits of its splits}`` of one result file: each split's own
+    ``commit``, or :data:`UNRECORDED` (not the file's: a resumed file holds the last
+    invocation's)."""
+    return {
+        name: sorted({s.get("commit") or UNRECORDED for s in record["splits"]})
+        for name, record in run["datasets"].items()
+        if record["splits"]
+    }
+
+
+def commits_note(runs, paths, mixed_ok):
+    """The sentence that says which commits a report merges: ``None`` when every split
+    comes from one commit.
+
+    :raises ValueError: when the splits come from several commits and ``mixed_ok`` is
+        false.
+    """
+    by_commit = {}
+    for run in runs:
+        for name, commits in split_commits(run).items():
+            for commit in commits:
+                by_commit.setdefault(commit, set()).add(name)
+    if len(by_commit) <= 1:
+        return None
+    parts = "; ".join(
+        f"{commit}: {', '.join(sorted(names))}" for commit, names in sorted(by_commit.items())
+    )
+    if not mixed_ok:
+        raise ValueError(
+            f"{[str(p) for p in paths]} hold splits run at {len(by_commit)} commits ({parts}); "
+            "rerun them at one commit, or pass --mixed-commits to merge them and say so"
+        )
+    return (
+        f"**This table merges runs from {len(by_commit)} commits** (the code may differ "
+        f"between them): {parts}."
+    )
+
+
+def report(paths, title, paper=None, mixed_commits=False):
     """Markdown text for the merged result files.
 
     :param list paths: JSON files written by ``benchmarks/uci.py``.
     :param str title: heading of the report.
     :param str paper: key of :data:`PAPERS` to print beside our numbers, or ``None``.
+    :param bool mixed_commits: merge splits run at different commits (the report says so)
+        instead of raising.
+    :raises ValueError: on splits from several commits without ``mixed_commits``.
     """
     runs = [json.loads(Path(p).read_text()) for p in paths]
+    mixed = commits_note(runs, paths, mixed_commits)
     if paper:
         wrong = [
             str(p)
@@ -176,6 +228,8 @@ def report(paths, title, paper=None):
                 f"{wrong} hold another method's runs"
             )
     lines = [f"# UCI regression: {title}", ""]
+    if mixed:
+        lines += [mixed, ""]
     lines.append(
         "Protocol: standard splits (Hernandez-Lobato & Adams 2015), features and target "
         "normalised with the training split, test RMSE and per-point test log-likelihood "
@@ -217,7 +271,9 @@ def report(paths, title, paper=None):
     lines += ["", "Runs:", ""]
     for path, run in zip(paths, runs, strict=True):
         lines.append(
-            f"- `{path}`: `{run['command']}` (started {run['started']}, resumed "
+            f"- `{path}`: `{run['command']}` (commit "
+            f"{', '.join(sorted({c for cs in split_commits(run).values() for c in cs}))}, "
+            f"started {run['started']}, resumed "
             f"{len(run.get('resumed', []))} times, torch {run['versions']['torch']}, "
             f"pyro {run['versions']['pyro']}, {run['threads']} thread(s), {run['dtype']})"
         )
@@ -258,12 +314,20 @@ def main(argv=None):
         action="store_true",
         help="leave out result files that do not exist yet (a report of none says so)",
     )
+    parser.add_argument(
+        "--mixed-commits",
+        action="store_true",
+        help="merge splits run at different commits (the report names them) instead of refusing",
+    )
     args = parser.parse_args(argv)
     if args.section and not args.out:
         parser.error("--section needs --out")
     paths = [p for p in args.paths if Path(p).exists()] if args.missing_ok else args.paths
     if paths:
-        text = report(paths, args.title, args.paper)
+        try:
+            text = report(paths, args.title, args.paper, args.mixed_commits)
+        except ValueError as e:
+            parser.error(str(e))
     else:
         text = f"# UCI regression: {args.title}\n\nNo split has been run yet.\n"
     if args.section:

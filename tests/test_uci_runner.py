@@ -250,6 +250,31 @@ def test_report_merges_a_data_set_split_over_files(reporter, tmp_path):
             reporter.report([str(first), str(second)], "t")
 
 
+def test_report_refuses_to_mix_commits_unless_told_and_then_says_so(reporter, tmp_path):
+    def run_at(commit, first):
+        run = _fake_run([1.0], first=first)
+        run["datasets"]["boston"]["splits"][0]["commit"] = commit
+        return json.dumps(run)
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(run_at("aaaaaaa", 0))
+    second.write_text(run_at("aaaaaaa", 1))
+    text = reporter.report([str(first), str(second)], "t")
+    assert "merges runs" not in text and "(commit aaaaaaa," in text
+    second.write_text(run_at("bbbbbbb", 1))
+    with pytest.raises(ValueError, match="2 commits .*--mixed-commits"):
+        reporter.report([str(first), str(second)], "t")
+    text = reporter.report([str(first), str(second)], "t", mixed_commits=True)
+    assert "**This table merges runs from 2 commits**" in text
+    assert "aaaaaaa: boston; bbbbbbb: boston" in text
+    # a split from before commits were recorded counts as another commit
+    second.write_text(json.dumps(_fake_run([3.0], first=1)))
+    with pytest.raises(ValueError, match="not recorded: boston"):
+        reporter.report([str(first), str(second)], "t")
+    with pytest.raises(SystemExit):
+        reporter.main([str(first), str(second)])
+
+
 def test_report_refuses_another_methods_paper_and_counts_failed_splits(reporter, tmp_path):
     run = tmp_path / "run.json"
     run.write_text(json.dumps(_fake_run([1.0, 2.0], method="map")))
