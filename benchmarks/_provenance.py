@@ -2,11 +2,12 @@
 line, the commit of the code (``+`` when the checkout has uncommitted changes), the UTC
 time, the settings and the library versions (:func:`provenance`).
 
-Importing it also makes ``pyro_implicit`` importable from a checkout without an install.
-The benchmarks are scripts: one imports it after putting its own folder on ``sys.path``::
+Importing it also makes ``pyro_implicit`` importable from a checkout without an install
+(the one place that does so). The benchmarks import it and each other by name: their folder
+is first on ``sys.path`` when one runs as ``python benchmarks/<name>.py``, and the runner
+(``python -m benchmarks <name>``) and the tests' loader put it there::
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _provenance  # noqa: E402
+    import _provenance
 """
 
 import datetime

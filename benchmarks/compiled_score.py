@@ -27,14 +27,13 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.datasets import data_available, load_uci  # noqa: E402
-from pyro_implicit.latent import LatentSpace  # noqa: E402
-from pyro_implicit.models import load_model  # noqa: E402
+from pyro_implicit.datasets import data_available, load_uci
+from pyro_implicit.latent import LatentSpace
+from pyro_implicit.models import load_model
 
 BACKENDS = ("eager", "fx", "inductor")
 

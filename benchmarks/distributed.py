@@ -28,10 +28,9 @@ Usage::
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.distributions as dist
 import torch
@@ -39,15 +38,13 @@ import torch.distributed as tdist
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.datasets import load_uci  # noqa: E402
-from pyro_implicit.distributed import (  # noqa: E402
+from pyro_implicit.datasets import load_uci
+from pyro_implicit.distributed import (
     DistributedOptim,
     gather_named_particles,
     rank_shard,
 )
-from pyro_implicit.particles import WeightSpaceSVGD  # noqa: E402
+from pyro_implicit.particles import WeightSpaceSVGD
 
 HIDDEN = 50
 

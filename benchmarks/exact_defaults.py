@@ -22,16 +22,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import pyro
 import torch
+from _provenance import provenance
 from pyro.infer import SVI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import provenance  # noqa: E402
-
-from pyro_implicit import (  # noqa: E402
+from pyro_implicit import (
     GPVI_ELBO,
     LIVI_ELBO,
     SIVI_ELBO,
@@ -43,12 +40,12 @@ from pyro_implicit import (  # noqa: E402
     SteinScoreELBO,
     WeightSpaceSVGD,
 )
-from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS  # noqa: E402
-from pyro_implicit.diagnostics.compare import _fit as compare_fit  # noqa: E402
-from pyro_implicit.diagnostics.compare import posterior_draws  # noqa: E402
-from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
-from pyro_implicit.elbo.gpvi import gpvi_generator  # noqa: E402
-from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws  # noqa: E402
+from pyro_implicit.diagnostics.compare import METHODS as COMPARE_METHODS
+from pyro_implicit.diagnostics.compare import _fit as compare_fit
+from pyro_implicit.diagnostics.compare import posterior_draws
+from pyro_implicit.diagnostics.methods import resolve_name
+from pyro_implicit.elbo.gpvi import gpvi_generator
+from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
 
 #: method (the registry's names) -> how a new user builds it with the defaults: (guide,
 #: loss) or particles

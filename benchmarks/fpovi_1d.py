@@ -31,23 +31,20 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import numpy as np
 import pyro
 import torch
 from pyro.infer import MCMC, NUTS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import pyro_implicit  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, str(REPO_ROOT))
-
-from pyro_implicit.bnn import BNNRegression  # noqa: E402
-from pyro_implicit.particles import (  # noqa: E402
+from pyro_implicit.bnn import BNNRegression
+from pyro_implicit.particles import (
     FunctionSpaceSVGD,
     KDEInputs,
     WeightSpaceSVGD,
 )
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 FIG_DIR = REPO_ROOT / "benchmarks" / "results" / "figures"
 

@@ -13,9 +13,7 @@ unless ``--adaptive-contrast``).
 """
 
 import argparse
-import importlib.util
 import time
-from pathlib import Path
 
 import pyro
 import torch
@@ -26,11 +24,9 @@ from pyro_implicit.datasets import load_uci
 
 
 def _runner():
-    path = Path(__file__).resolve().parent / "uci.py"
-    spec = importlib.util.spec_from_file_location("uci_runner", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import uci
+
+    return uci
 
 
 def main(argv=None):

@@ -23,23 +23,20 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
+import stiff
 import torch
 from pyro.infer import SVI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import stiff  # noqa: E402
-
-from pyro_implicit import (  # noqa: E402
+from pyro_implicit import (
     ImplicitGuide,
     KernelRatioELBO,
     SteinScoreELBO,
     WeightSpaceSVGD,
 )
-from pyro_implicit.diagnostics.compare import latent_shapes, posterior_draws  # noqa: E402
-from pyro_implicit.diagnostics.metrics import compare_samples  # noqa: E402
+from pyro_implicit.diagnostics.compare import latent_shapes, posterior_draws
+from pyro_implicit.diagnostics.metrics import compare_samples
 
 #: KIVI variants: (label, ImplicitGuide kwargs, KernelRatioELBO kwargs, lr)
 KIVI_VARIANTS = [

@@ -16,18 +16,16 @@ Usage::
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import SVI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit import ImplicitGuide, KernelRatioELBO  # noqa: E402
+from pyro_implicit import ImplicitGuide, KernelRatioELBO
 
 SETTINGS = [
     ("paper: prior samples, lambda 1e-3", False, 1e-3),

@@ -16,17 +16,14 @@ training's random stream untouched, so the first run is the table's run.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pyro
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import uci  # noqa: E402  (the runner: settings, KIVI's pieces, metrics)
-from _provenance import provenance  # noqa: E402
+from _provenance import provenance
 
-from pyro_implicit.datasets import load_uci  # noqa: E402
+from pyro_implicit.datasets import load_uci
 
 CLAMP = 10.0  # the clip_norm whose reach is recorded
 

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.poutine as poutine
 import torch
@@ -41,17 +42,11 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_sample
 from pyro.poutine.messenger import Messenger
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import pyro_implicit  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, str(REPO_ROOT))
-
-from pyro_implicit import LIVI_ELBO, LinearizedGuide  # noqa: E402
-from pyro_implicit.bnn import BNNClassification  # noqa: E402
-from pyro_implicit.datasets import load_mnist  # noqa: E402
-from pyro_implicit.diagnostics.classification import auroc, classification_scores  # noqa: E402
-from pyro_implicit.diagnostics.memory import PeakMemory  # noqa: E402
+from pyro_implicit import LIVI_ELBO, LinearizedGuide
+from pyro_implicit.bnn import BNNClassification
+from pyro_implicit.datasets import load_mnist
+from pyro_implicit.diagnostics.classification import auroc, classification_scores
+from pyro_implicit.diagnostics.memory import PeakMemory
 
 
 def make_model(hidden):

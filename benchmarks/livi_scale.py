@@ -49,10 +49,9 @@ def width_for(dim):
 
 def worker(dim, noise_dim, bound, steps, seed):
     """One configuration, in this process; returns a dict of measurements."""
+    import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
     import pyro
     import torch
-
-    sys.path.insert(0, str(REPO_ROOT))
     from pyro.infer import SVI
 
     from pyro_implicit import LIVI_ELBO, LinearizedGuide

@@ -38,20 +38,15 @@ import time
 import warnings
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
 from pyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_sample
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import pyro_implicit  # noqa: F401
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, str(REPO_ROOT))
-
-from pyro_implicit import LIVI_ELBO, LinearizedGuide  # noqa: E402
-from pyro_implicit.bnn import BNNRegression  # noqa: E402
+from pyro_implicit import LIVI_ELBO, LinearizedGuide
+from pyro_implicit.bnn import BNNRegression
 
 NOISE = 0.3
 

@@ -7,16 +7,16 @@ without provenance shows.
 
 Usage::
 
-    python benchmarks/manifest.py > benchmarks/results/MANIFEST.md
+    python -m benchmarks manifest --out benchmarks/results/MANIFEST.md
 """
 
+import argparse
 import json
 import re
 import subprocess
-import sys
+from pathlib import Path
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _provenance import REPO_ROOT, RESULTS_DIR  # noqa: E402
+from _provenance import REPO_ROOT, RESULTS_DIR
 
 _COMMAND = re.compile(r"`((?:python|torchrun|PYRO_IMPLICIT|OMP_NUM)[^`]*benchmarks/[^`]+)`")
 _COMMIT = re.compile(r"commit[s]?\s+`?([0-9a-f]{7,40})")
@@ -81,22 +81,37 @@ def _cell(items, limit):
     return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
-def main():
-    print("# Results manifest\n")
-    print(
-        "`python benchmarks/manifest.py > benchmarks/results/MANIFEST.md`: every result "
+def text():
+    """The manifest as Markdown."""
+    lines = [
+        "# Results manifest",
+        "",
+        "`python -m benchmarks manifest --out benchmarks/results/MANIFEST.md` (the runner "
+        "rewrites it after every run that writes a result): every result "
         "file with the command(s), commit(s) and date it records (read from the file; a "
         "file naming several commits merges runs and says which in its header), and the "
         "commit that last changed the file in git. Files marked **none recorded** predate "
         "the rule that every result records its command and commit: the code that made "
-        "them is at most as recent as their last commit.\n"
-    )
-    print("| file | command | commit (recorded) | last committed in | date |")
-    print("|---|---|---|---|---|")
+        "them is at most as recent as their last commit.",
+        "",
+        "| file | command | commit (recorded) | last committed in | date |",
+        "|---|---|---|---|---|",
+    ]
     for name, commands, commits, date in rows():
         command = _cell([c if len(c) <= 160 else c[:157] + "..." for c in commands], 1)
         last = last_committed(RESULTS_DIR / name) or "not committed"
-        print(f"| {name} | {command} | {_cell(commits, 4)} | `{last}` | {date} |")
+        lines.append(f"| {name} | {command} | {_cell(commits, 4)} | `{last}` | {date} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the manifest here (else print it)")
+    args = parser.parse_args(argv)
+    if args.out:
+        Path(args.out).write_text(text())
+    else:
+        print(text(), end="")
 
 
 if __name__ == "__main__":

@@ -17,21 +17,17 @@ under 10%).
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pyro
 import torch
+from _provenance import command_line, git_commit, utc_now
 from pyro.infer import SVI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import command_line, git_commit, utc_now  # noqa: E402
-
-from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide  # noqa: E402
-from pyro_implicit.bnn import BNNRegression  # noqa: E402
-from pyro_implicit.datasets import load_uci  # noqa: E402
-from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
+from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide
+from pyro_implicit.bnn import BNNRegression
+from pyro_implicit.datasets import load_uci
+from pyro_implicit.diagnostics.methods import resolve_name
 
 
 def main(argv=None):

@@ -97,10 +97,8 @@ def main():
 
 def kl_gradients(dims=(2, 10, 50), num=100, reps=100, seed=0):
     """Rows ``(dim, estimator, median error, bias)`` of the KL gradient (module docstring)."""
-    import sys
-    from pathlib import Path
+    import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pyro_implicit.elbo import kernel_kl, sample_score
 
     rows = []

@@ -27,21 +27,18 @@ Usage::
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.datasets import load_mnist  # noqa: E402
-from pyro_implicit.elbo.sivi import SIVI_ELBO, linear_schedule  # noqa: E402
-from pyro_implicit.guides.amortized import SemiImplicitEncoder  # noqa: E402
+from pyro_implicit.datasets import load_mnist
+from pyro_implicit.elbo.sivi import SIVI_ELBO, linear_schedule
+from pyro_implicit.guides.amortized import SemiImplicitEncoder
 
 PIXELS = 784
 

@@ -20,21 +20,18 @@ Usage::
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit import ImplicitGuide, KernelRatioELBO  # noqa: E402
-from pyro_implicit.elbo.sivi import SIVI_ELBO  # noqa: E402
-from pyro_implicit.guides.semi_implicit import SemiImplicitGuide  # noqa: E402
-from pyro_implicit.models import waveform_logistic  # noqa: E402
+from pyro_implicit import ImplicitGuide, KernelRatioELBO
+from pyro_implicit.elbo.sivi import SIVI_ELBO
+from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.models import waveform_logistic
 
 
 def make_svi(name, model, particles):

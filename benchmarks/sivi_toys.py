@@ -24,22 +24,20 @@ Usage::
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoMultivariateNormal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.diagnostics.metrics import energy_distance  # noqa: E402
-from pyro_implicit.diagnostics.nuts import run_nuts  # noqa: E402
-from pyro_implicit.elbo.sivi import SIVI_ELBO  # noqa: E402
-from pyro_implicit.guides.semi_implicit import SemiImplicitGuide  # noqa: E402
-from pyro_implicit.targets.sivi import SIVI_TOY_TARGETS, toy_distribution, toy_model  # noqa: E402
+from pyro_implicit.diagnostics.metrics import energy_distance
+from pyro_implicit.diagnostics.nuts import run_nuts
+from pyro_implicit.elbo.sivi import SIVI_ELBO
+from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.targets.sivi import SIVI_TOY_TARGETS, toy_distribution, toy_model
 
 FIGURE = Path(__file__).resolve().parent / "results" / "figures" / "sivi_toys.png"
 METHODS = ("SIVI", "AutoMultivariateNormal", "AutoIAFNormal")

@@ -26,23 +26,20 @@ Usage::
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.datasets import load_waveform  # noqa: E402
-from pyro_implicit.diagnostics.metrics import correlation_rmse, sd_ratio  # noqa: E402
-from pyro_implicit.diagnostics.nuts import run_nuts  # noqa: E402
-from pyro_implicit.elbo.sivi import SIVI_ELBO  # noqa: E402
-from pyro_implicit.guides.semi_implicit import SemiImplicitGuide  # noqa: E402
-from pyro_implicit.models import waveform_logistic  # noqa: E402
+from pyro_implicit.datasets import load_waveform
+from pyro_implicit.diagnostics.metrics import correlation_rmse, sd_ratio
+from pyro_implicit.diagnostics.nuts import run_nuts
+from pyro_implicit.elbo.sivi import SIVI_ELBO
+from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.models import waveform_logistic
 
 
 def fit(method, builtin, args):

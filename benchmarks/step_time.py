@@ -13,22 +13,17 @@ Usage::
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import torch
+import uci
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import uci  # noqa: E402
-
-from pyro_implicit import ImplicitGuide, KernelRatioELBO  # noqa: E402
-from pyro_implicit.datasets import load_uci  # noqa: E402
+from pyro_implicit import ImplicitGuide, KernelRatioELBO
+from pyro_implicit.datasets import load_uci
 
 
 def _svi(name, model, split, particles):

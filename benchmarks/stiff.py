@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -57,18 +58,16 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoMultivariateNormal, AutoNormal
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyro_implicit.diagnostics import psis_diagnostic, stein_discrepancy  # noqa: E402
-from pyro_implicit.diagnostics.compare import (  # noqa: E402
+from pyro_implicit.diagnostics import psis_diagnostic, stein_discrepancy
+from pyro_implicit.diagnostics.compare import (
     METHODS,
     latent_shapes,
     posterior_draws,
 )
-from pyro_implicit.diagnostics.metrics import compare_samples  # noqa: E402
-from pyro_implicit.diagnostics.nuts import run_nuts  # noqa: E402
-from pyro_implicit.diagnostics.stein import model_preconditioner  # noqa: E402
-from pyro_implicit.models import (  # noqa: E402
+from pyro_implicit.diagnostics.metrics import compare_samples
+from pyro_implicit.diagnostics.nuts import run_nuts
+from pyro_implicit.diagnostics.stein import model_preconditioner
+from pyro_implicit.models import (
     EIGHT_SCHOOLS_SIGMA,
     EIGHT_SCHOOLS_Y,
     banana_model,

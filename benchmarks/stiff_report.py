@@ -17,7 +17,6 @@ commit, so a table that mixes runs says so. The goal checks (the issue's):
 """
 
 import argparse
-import importlib.util
 import json
 import pathlib
 
@@ -28,11 +27,9 @@ RENAMED = {"implicit": "kivi"}
 
 
 def _stiff():
-    path = pathlib.Path(__file__).with_name("stiff.py")
-    spec = importlib.util.spec_from_file_location("stiff", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import stiff
+
+    return stiff
 
 
 def merge(paths):

@@ -30,7 +30,6 @@ import math
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 METHODS = ("pyro", "weight", "function")
 
@@ -45,7 +44,7 @@ def _worker(method, width, particles, steps, warmup, seed):
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
     from pyro.infer import SVGD, RBFSteinKernel
 
     from pyro_implicit.bnn import BNNRegression

@@ -40,9 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyro
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import (  # noqa: E402, F401
+from _provenance import (  # noqa: F401
     REPO_ROOT,
     RESULTS_DIR,
     command_line,
@@ -52,7 +50,7 @@ from _provenance import (  # noqa: E402, F401
 )
 
 # the configuration and the methods live beside the runner; every name is re-exported here
-from uci_config import (  # noqa: E402, F401
+from uci_config import (  # noqa: F401
     _FPOVI_OPTIONAL,
     _FPOVI_SMALL,
     _LIVI_OPTIONAL,
@@ -67,7 +65,7 @@ from uci_config import (  # noqa: E402, F401
     _livi_defaults,
     run_config,
 )
-from uci_methods import (  # noqa: E402, F401
+from uci_methods import (  # noqa: F401
     KIVI_GENERATORS,
     METHODS,
     KIVIFit,
@@ -91,14 +89,14 @@ from uci_methods import (  # noqa: E402, F401
     train_minibatches,
 )
 
-from pyro_implicit.datasets import (  # noqa: E402
+from pyro_implicit.datasets import (
     UCI_DATASETS,
     gaussian_test_ll,
     load_uci,
     num_splits,
     rmse_original,
 )
-from pyro_implicit.diagnostics.methods import resolve_name  # noqa: E402
+from pyro_implicit.diagnostics.methods import resolve_name
 
 #: the checkout's commit, ``+`` if it has uncommitted changes (kept for old callers)
 _git_commit = git_commit

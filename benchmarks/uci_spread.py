@@ -11,17 +11,13 @@ all in normalised units. Used to read f-SVGD against weight-space SVGD on naval
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import pyro
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import uci  # noqa: E402  (the runner, for its settings, fits and metrics)
 
-from pyro_implicit.datasets import load_uci  # noqa: E402
+from pyro_implicit.datasets import load_uci
 
 
 def spread(dataset, split_index, methods, dtype="float32", seed=0, overrides=None):

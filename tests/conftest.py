@@ -1,6 +1,7 @@
 import importlib.util
 import io
 import os
+import sys
 from pathlib import Path
 
 import pyro
@@ -28,8 +29,10 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.fixture(scope="session")
 def load_benchmark():
-    """``load(name)``: the script ``benchmarks/<name>.py`` imported as a module (the
-    benchmarks are scripts, not a package)."""
+    """``load(name)``: the script ``benchmarks/<name>.py`` imported as a module, with the
+    benchmarks' folder on ``sys.path`` as when it runs (it imports its siblings by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
 
     def load(name):
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
