@@ -7,7 +7,8 @@ architecture, full-batch likelihood as the UCI runs use on boston), the script t
   importance-weight check, a Gaussian variational fit where the check fails), read from
   ``guide.preconditioner.diagnostics["seconds"]``;
 * the median step of the default fit, ``SVI(model, ImplicitGuide(model), Adam,
-  KernelRatioELBO())`` (100 particles), over ``--probe-steps`` steps,
+  KernelRatioELBO())`` (100 particles; ``--guide stein_score``: ``SteinScoreELBO()``,
+  ``livi``: ``LinearizedGuide`` + ``LIVI_ELBO()``), over ``--probe-steps`` steps,
 
 and reports the set-up as a share of a default fit of ``--steps`` steps (the issue's goal:
 under 10%).
@@ -24,7 +25,13 @@ import torch
 from _provenance import command_line, git_commit, utc_now
 from pyro.infer import SVI
 
-from pyro_implicit import LIVI_ELBO, ImplicitGuide, KernelRatioELBO, LinearizedGuide
+from pyro_implicit import (
+    LIVI_ELBO,
+    ImplicitGuide,
+    KernelRatioELBO,
+    LinearizedGuide,
+    SteinScoreELBO,
+)
 from pyro_implicit.bnn import BNNRegression
 from pyro_implicit.datasets import load_uci
 from pyro_implicit.diagnostics.methods import resolve_name
@@ -41,7 +48,9 @@ def main(argv=None):
         help="length of the default fit the set-up is compared with",
     )
     parser.add_argument("--probe-steps", type=int, default=20)
-    parser.add_argument("--guide", type=resolve_name, choices=["kivi", "livi"], default="kivi")
+    parser.add_argument(
+        "--guide", type=resolve_name, choices=["kivi", "stein_score", "livi"], default="kivi"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -50,6 +59,8 @@ def main(argv=None):
     model = BNNRegression(data.in_dim, hidden_dims=(args.hidden,))
     if args.guide == "kivi":
         guide, loss = ImplicitGuide(model), KernelRatioELBO(max_plate_nesting=1)
+    elif args.guide == "stein_score":
+        guide, loss = ImplicitGuide(model), SteinScoreELBO(max_plate_nesting=1)
     else:
         guide, loss = LinearizedGuide(model), LIVI_ELBO(max_plate_nesting=1)
     x, y = data.x_train, data.y_train
