@@ -1,9 +1,10 @@
 """Command line: ``python -m pyro_implicit`` (or the ``pyro-implicit`` script).
 
 With no arguments it runs the default job: the eight-schools model fitted with
-``ImplicitGuide`` + ``KernelRatioELBO``, ``SemiImplicitGuide`` + ``SIVI_ELBO``,
-``AutoNormal`` and ``AutoMultivariateNormal``, each compared with NUTS (2 chains), in
-about a minute on two CPU cores. The same job with other settings::
+``ImplicitGuide`` + ``KernelRatioELBO``, ``ImplicitGuide`` + ``SteinScoreELBO``,
+``SemiImplicitGuide`` + ``SIVI_ELBO``, ``AutoNormal`` and ``AutoMultivariateNormal``, each
+compared with NUTS (2 chains), in about half a minute on two CPU cores. The same job with
+other settings::
 
     python -m pyro_implicit compare --model eight_schools --methods kivi,autonormal \\
         --steps 2000 --seed 0 --nuts-samples 500 --report out/
