@@ -105,9 +105,11 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
 
     from pyro_implicit import (
         GPVI_ELBO,
+        SIVI_ELBO,
         AmortizedSVGD_ELBO,
         ImplicitGuide,
         KernelRatioELBO,
+        SemiImplicitGuide,
         SteinScoreELBO,
     )
     from pyro_implicit.guides import gpvi_generator
@@ -120,7 +122,12 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     else:
         method, backend = name.split("-")
         compile = False if backend == "eager" else backend
-        if method in ("kivi", "stein"):
+        if method == "sivi":
+            guide = SemiImplicitGuide(model)
+            loss = SIVI_ELBO(
+                num_particles=particles, num_mixing=100, max_plate_nesting=mpn, compile=compile
+            )
+        elif method in ("kivi", "stein"):
             cls = KernelRatioELBO if method == "kivi" else SteinScoreELBO
             guide = ImplicitGuide(model)
             loss = cls(num_particles=particles, max_plate_nesting=mpn, compile=compile)
@@ -154,6 +161,8 @@ KERNEL_LOSSES = (
     "asvgd-fx",
     "gpvi-eager",
     "gpvi-fx",
+    "sivi-eager",
+    "sivi-fx",
 )
 
 
@@ -226,7 +235,8 @@ def main_losses(args, command, commit):
         "against AutoNormal + Trace_ELBO with as many particles. `kivi` = ImplicitGuide + "
         "KernelRatioELBO(), `stein` = ImplicitGuide + SteinScoreELBO(), `asvgd` = "
         "ImplicitGuide + AmortizedSVGD_ELBO(), `gpvi` = ImplicitGuide(generator="
-        "gpvi_generator()) + GPVI_ELBO() (not on the BNN: its helper network sets the pace); "
+        "gpvi_generator()) + GPVI_ELBO() (not on the BNN: its helper network sets the pace), "
+        "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100); "
         "`-fx`: after the "
         "first step the guide is drawn directly and its draws scored by the traced graph "
         "(`compile='fx'`, the default); `-eager`: every step traces the guide and the model "
@@ -235,7 +245,7 @@ def main_losses(args, command, commit):
         "| model | " + " | ".join(KERNEL_LOSSES) + " |",
         "|---|" + "---:|" * len(KERNEL_LOSSES),
     ]
-    methods = ("kivi", "stein", "asvgd", "gpvi")
+    methods = ("kivi", "stein", "asvgd", "gpvi", "sivi")
 
     def cell(value, fmt):
         return "-" if value == float("inf") or value != value else format(value, fmt)

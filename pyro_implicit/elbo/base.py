@@ -285,6 +285,26 @@ class ImplicitELBO(ELBO):
     #: beyond any posterior in sensible units; ``None`` disables the check)
     max_abs_draw = 1e12
 
+    def _compiled_log_target(self, space, u, args, kwargs):
+        r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /
+        \partial u|` of the packed draws ``u`` ``(N, D)`` (with graph) from the compiled
+        graph of ``space`` (:meth:`~pyro_implicit.latent.LatentSpace.compile`; one
+        minibatch where the model subsamples, as a model trace gives): the value of the
+        traced path's :meth:`log_joint_particles` minus the guide's ``biject_to`` Deltas,
+        and the gradient :math:`\nabla_u \log \tilde p \cdot \mathrm d u` through the
+        draws. ``None`` where a draw or its log-density is not finite or a draw is beyond
+        :attr:`max_abs_draw` (the caller then traces, and names the sites if the fit has
+        diverged)."""
+        limit = self.max_abs_draw if self.max_abs_draw is not None else math.inf
+        if not bool(torch.isfinite(u).all()) or u.detach().abs().max().item() > limit:
+            return None
+        out = space.score(u.detach(), args, kwargs, full_data=False)
+        if out is None or not bool(torch.isfinite(out[0]).all()):
+            return None
+        log_density, score = out
+        path = (score.detach() * u).sum(-1)
+        return log_density.detach() + (path - path.detach())
+
     def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""

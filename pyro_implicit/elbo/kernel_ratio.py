@@ -579,17 +579,12 @@ class KernelRatioELBO(ImplicitELBO):
         guide._sync_param_store()
         with guide._pyro_context:  # registers the sampler's parameters, as a call would
             u = guide.sample_unconstrained(self.num_particles)
-        limit = self.max_abs_draw if self.max_abs_draw is not None else math.inf
-        if not bool(torch.isfinite(u).all()) or u.detach().abs().max().item() > limit:
+        log_target = self._compiled_log_target(space, u, args, kwargs)
+        if log_target is None:
             return None
-        out = space.score(u.detach(), args, kwargs, full_data=False)
-        if out is None or not bool(torch.isfinite(out[0]).all()):
-            return None
-        log_density, score = out
         self._last_traces = None
         # the model term: value E[log p(x, u)], gradient E[score . du]
-        model_term = (score.detach() * u).sum(-1).mean()
-        model_term = model_term - model_term.detach() + log_density.mean().detach()
+        model_term = log_target.mean()
         contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, u)
         info["kl"] = kl.item()
         self.diagnostics = {"+".join(group): info}

@@ -34,10 +34,13 @@ import warnings
 import torch
 from pyro.distributions.util import scale_and_mask
 
+from ..compiled import BACKENDS
 from ..contract import CONDITIONAL_DENSITY
 from ..errors import PairingError
 from ..guides.base import implicit_site_info
 from ..guides.linearized import LinearizedGuide
+from ..guides.semi_implicit import SemiImplicitGuide
+from ..latent import LatentSpace
 from .base import (
     ImplicitELBO,
     auxiliary_site_value,
@@ -167,8 +170,15 @@ class SIVI_ELBO(ImplicitELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
         super().__init__(num_particles, max_plate_nesting, check_vectorization, retain_graph)
+        if compile not in (None, False) and compile not in BACKENDS:
+            raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
+        #: backend of the traced log-density of the steps after the first (``None``: every
+        #: step traces the model and the guide through Pyro)
+        self.compile = compile or None
+        self._fast_spaces = {}  # (id(model), id(guide)) -> compiled LatentSpace, or None
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a callable step -> K, got {schedule!r}")
         if schedule is None:
@@ -288,10 +298,65 @@ class SIVI_ELBO(ImplicitELBO):
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         num_mixing = self.current_num_mixing()
-        elbo = self._particle_terms(model, guide, args, kwargs, num_mixing).mean()
+        key = (id(model), id(guide))
+        terms = None
+        if self._fast_spaces.get(key) is not None:
+            terms = self._fast_particle_terms(
+                self._fast_spaces[key], guide, args, kwargs, num_mixing
+            )
+        if terms is None:
+            terms = self._particle_terms(model, guide, args, kwargs, num_mixing)
+            if self.compile and key not in self._fast_spaces:
+                self._fast_spaces[key] = self._fast_space(guide, args, kwargs)
+        elbo = terms.mean()
         self.diagnostics = {"num_mixing": num_mixing, "elbo": elbo.item()}
         # the estimate is differentiable as it stands: value and surrogate coincide
         return -elbo.detach(), -elbo
+
+    def _fast_space(self, guide, args, kwargs):
+        """The compiled log-density that scores the next steps' draws, read off the traced
+        step just taken; ``None`` where a step needs Pyro's traces: a guide other than one
+        whole :class:`~pyro_implicit.guides.SemiImplicitGuide` (an ``AutoGuideList``, an
+        amortised guide), a latent site under ``poutine.scale``, or the model's own
+        parameters."""
+        model_trace, guide_trace = self._last_traces
+        sites = implicit_guide_sites(guide_trace)
+        if (
+            type(guide) is not SemiImplicitGuide
+            or len(sites) != 1
+            or implicit_site_info(sites[0])["guide"] is not guide
+            or any(float(site["scale"]) != 1.0 for site in sites)
+            or any(site["type"] == "param" for site in model_trace.nodes.values())
+        ):
+            return None
+        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
+        return space.compile(self.compile)
+
+    def _fast_particle_terms(self, space, guide, args, kwargs, num_mixing):
+        """:meth:`_particle_terms` without Pyro traces: the guide drawn directly (its noise,
+        then the mixing layer and the conditional, as its trace would consume the random
+        stream), the draws scored by the compiled graph, then the K extra mixing draws.
+        ``None`` where the graph is unavailable or a draw is not finite (the traced step
+        then runs and names the sites if the fit has diverged)."""
+        if not space.compiled.active:
+            return None
+        n = self.num_particles
+        guide._sync_param_store()
+        ref = guide._noise_reference
+        with guide._pyro_context:  # registers the guide's parameters, as a call would
+            noise = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
+            eps, eta = guide._split_noise(noise)
+            psi_own = guide.mixing(eps)
+            u = guide.preconditioner.unwhiten(guide._conditional_sample(psi_own, eta))
+        log_target = self._compiled_log_target(space, u, args, kwargs)
+        if log_target is None:
+            return None
+        self._last_traces = None
+        parts = [guide.conditional_log_prob(u, psi_own).unsqueeze(-1)]
+        if num_mixing > 0:
+            parts.append(guide.pairwise_conditional_log_prob(u, guide.sample_mixing(num_mixing)))
+        log_q = torch.cat(parts, dim=-1)
+        return log_target - (torch.logsumexp(log_q, dim=-1) - math.log(log_q.shape[-1]))
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """A tensor whose value is the loss (see the class docstring) and whose gradient
