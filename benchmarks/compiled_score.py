@@ -105,10 +105,12 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
 
     from pyro_implicit import (
         GPVI_ELBO,
+        LIVI_ELBO,
         SIVI_ELBO,
         AmortizedSVGD_ELBO,
         ImplicitGuide,
         KernelRatioELBO,
+        LinearizedGuide,
         SemiImplicitGuide,
         SteinScoreELBO,
     )
@@ -122,7 +124,10 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     else:
         method, backend = name.split("-")
         compile = False if backend == "eager" else backend
-        if method == "sivi":
+        if method == "livi":
+            guide = LinearizedGuide(model)
+            loss = LIVI_ELBO(num_particles=particles, max_plate_nesting=mpn, compile=compile)
+        elif method == "sivi":
             guide = SemiImplicitGuide(model)
             loss = SIVI_ELBO(
                 num_particles=particles, num_mixing=100, max_plate_nesting=mpn, compile=compile
@@ -163,6 +168,8 @@ KERNEL_LOSSES = (
     "gpvi-fx",
     "sivi-eager",
     "sivi-fx",
+    "livi-eager",
+    "livi-fx",
 )
 
 
@@ -236,7 +243,8 @@ def main_losses(args, command, commit):
         "KernelRatioELBO(), `stein` = ImplicitGuide + SteinScoreELBO(), `asvgd` = "
         "ImplicitGuide + AmortizedSVGD_ELBO(), `gpvi` = ImplicitGuide(generator="
         "gpvi_generator()) + GPVI_ELBO() (not on the BNN: its helper network sets the pace), "
-        "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100); "
+        "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100), `livi` = LinearizedGuide + "
+        "LIVI_ELBO(); "
         "`-fx`: after the "
         "first step the guide is drawn directly and its draws scored by the traced graph "
         "(`compile='fx'`, the default); `-eager`: every step traces the guide and the model "
@@ -245,7 +253,7 @@ def main_losses(args, command, commit):
         "| model | " + " | ".join(KERNEL_LOSSES) + " |",
         "|---|" + "---:|" * len(KERNEL_LOSSES),
     ]
-    methods = ("kivi", "stein", "asvgd", "gpvi", "sivi")
+    methods = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi")
 
     def cell(value, fmt):
         return "-" if value == float("inf") or value != value else format(value, fmt)

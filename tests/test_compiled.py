@@ -5,6 +5,7 @@ import logging
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 
 from pyro_implicit.latent import LatentSpace
@@ -219,6 +220,53 @@ def test_sivi_traced_path_matches_the_pyro_traces():
             assert (p_fast - p_slow).abs().max() < 1e-8
             (space,) = loss._fast_spaces.values()
             assert space is not None and space.compiled.active  # the path was taken
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def test_livi_traced_path_matches_the_pyro_traces():
+    """LIVI_ELBO after its first step draws the linearised guide directly (z, then the
+    output noise) and scores the draws with the traced graph: the same losses and
+    parameters as Pyro's traces, step for step, with either bound and on a subsampled
+    model; a prior weight (which needs the prior apart) keeps the traces."""
+    from pyro_implicit import LIVI_ELBO, LinearizedGuide
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = load_model("eight_schools")
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
+        problems = [
+            (m.model, m.args, m.kwargs, m.max_plate_nesting, {}),
+            (m.model, m.args, m.kwargs, m.max_plate_nesting, {"bound": "svd"}),
+            (subsampled, (x, y), {"subsample_size": 10}, 1, {}),
+        ]
+        for model, args, kwargs, mpn, extra in problems:
+            runs = [
+                _fit_losses(
+                    LIVI_ELBO, c, model, args, kwargs, mpn, guide_cls=LinearizedGuide, **extra
+                )
+                for c in ("fx", False)
+            ]
+            (fast, p_fast, loss), (slow, p_slow, _) = runs
+            assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
+            assert (p_fast - p_slow).abs().max() < 1e-8
+            (space,) = loss._fast_spaces.values()
+            assert space is not None and space.compiled.active  # the path was taken
+        with pytest.warns(UserWarning, match="prior_weight"):
+            _, _, loss = _fit_losses(
+                LIVI_ELBO,
+                "fx",
+                m.model,
+                m.args,
+                m.kwargs,
+                m.max_plate_nesting,
+                steps=2,
+                guide_cls=LinearizedGuide,
+                prior_weight=0.5,
+            )
+        assert loss._fast_spaces == {}
     finally:
         torch.set_default_dtype(dtype)
 

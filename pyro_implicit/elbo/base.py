@@ -38,6 +38,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from ..contract import SAMPLE, check_guide_site
 from ..errors import DivergenceError, VectorizationError
 from ..guides.base import implicit_site_info
+from ..latent import LatentSpace
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
 from .checks import (  # noqa: F401
@@ -284,6 +285,26 @@ class ImplicitELBO(ELBO):
     #: largest magnitude of an unconstrained draw before a fit counts as diverged (far
     #: beyond any posterior in sensible units; ``None`` disables the check)
     max_abs_draw = 1e12
+
+    def _direct_space(self, guide, guide_type, args, kwargs):
+        """After a traced step (:attr:`_last_traces`): the compiled log-density
+        (:meth:`~pyro_implicit.latent.LatentSpace.compile` with backend :attr:`compile`)
+        that may score the next steps' draws of ``guide`` drawn directly, or ``None`` where
+        a step needs Pyro's traces: a guide other than one whole ``guide_type`` (an
+        ``AutoGuideList``, a subclass with its own drawing), a latent site under
+        ``poutine.scale``, or the model's own parameters."""
+        model_trace, guide_trace = self._last_traces
+        sites = implicit_guide_sites(guide_trace)
+        if (
+            type(guide) is not guide_type
+            or len(sites) != 1
+            or implicit_site_info(sites[0])["guide"] is not guide
+            or float(sites[0]["scale"]) != 1.0
+            or any(site["type"] == "param" for site in model_trace.nodes.values())
+        ):
+            return None
+        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
+        return space.compile(self.compile)
 
     def _compiled_log_target(self, space, u, args, kwargs):
         r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /

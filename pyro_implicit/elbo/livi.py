@@ -42,8 +42,10 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from torch.func import jvp, vjp
 
+from ..compiled import BACKENDS
 from ..contract import JACOBIAN
 from ..guides.base import implicit_site_info
+from ..guides.linearized import LinearizedGuide
 from ..latent import preconditioner_of
 from .base import (
     ImplicitELBO,
@@ -351,6 +353,13 @@ class LIVI_ELBO(ImplicitELBO):
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the
         particle plate (see :func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`).
+    :param compile: ``"fx"`` (default): after the first step, which traces the model and the guide
+        through Pyro and checks them, a whole :class:`~pyro_implicit.guides.LinearizedGuide` is
+        drawn directly and its draws scored by a traced graph of the model's log-density
+        (:meth:`~pyro_implicit.latent.LatentSpace.compile`), then the linearised entropy at the same
+        noise: the same loss, step for step, to float rounding; ``"inductor"`` also compiles that
+        graph; ``False`` traces every step. Guide lists, a latent site under ``poutine.scale``,
+        models with their own ``pyro.param`` and ``prior_weight`` other than 1 keep Pyro's traces.
 
     References
 
@@ -377,7 +386,10 @@ class LIVI_ELBO(ImplicitELBO):
         max_plate_nesting=float("inf"),
         check_vectorization=True,
         retain_graph=None,
+        compile="fx",
     ):
+        if compile not in (None, False) and compile not in BACKENDS:
+            raise ValueError(f"compile must be False or one of {BACKENDS}, got {compile!r}")
         if bound not in _BOUNDS:
             raise ValueError(f"bound must be one of {_BOUNDS}, got {bound!r}")
         if num_iterations < 1:
@@ -398,6 +410,10 @@ class LIVI_ELBO(ImplicitELBO):
         self.num_iterations = int(num_iterations)
         self.entropy_weight = float(entropy_weight)
         self.prior_weight = float(prior_weight)
+        #: backend of the traced log-density of the steps after the first (``None``: every
+        #: step traces the model and the guide through Pyro)
+        self.compile = compile or None
+        self._fast_spaces = {}  # (id(model), id(guide)) -> compiled LatentSpace, or None
 
     def _site_entropy(self, guide_trace, site):
         guide = implicit_site_info(site)["guide"]
@@ -410,6 +426,57 @@ class LIVI_ELBO(ImplicitELBO):
         return entropy + preconditioner_of(guide).log_abs_det(), details
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
+        key = (id(model), id(guide))
+        if self._fast_spaces.get(key) is not None:
+            out = self._fast_loss_and_surrogate(self._fast_spaces[key], guide, args, kwargs)
+            if out is not None:
+                return out
+        out = self._traced_loss_and_surrogate(model, guide, args, kwargs)
+        if self.compile and self.prior_weight == 1 and key not in self._fast_spaces:
+            self._fast_spaces[key] = self._direct_space(guide, LinearizedGuide, args, kwargs)
+        return out
+
+    def _fast_loss_and_surrogate(self, space, guide, args, kwargs):
+        """A step without Pyro traces: the guide drawn directly (its two noise draws, as its
+        trace would consume the random stream, then ``g(z) + sigma xi``), the draws scored
+        by the compiled graph, then the linearised entropy at the same z. ``None`` where
+        the graph is unavailable or a draw is not finite (the traced step then runs and
+        names the sites if the fit has diverged)."""
+        if not space.compiled.active:
+            return None
+        n = self.num_particles
+        guide._sync_param_store()
+        ref = guide._noise_reference
+        with guide._pyro_context:  # registers the generator's parameters, as a call would
+            z = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
+            xi = torch.randn(n, guide.latent_dim, dtype=ref.dtype, device=ref.device)
+            u = guide.preconditioner.unwhiten(guide.generator(z) + guide.sigma * xi)
+        log_target = self._compiled_log_target(space, u, args, kwargs)
+        if log_target is None:
+            return None
+        self._last_traces = None
+        entropy, details = linearized_entropy(
+            guide.generator, z, guide.sigma, self.bound, self.num_iterations, return_info=True
+        )
+        entropy = entropy + preconditioner_of(guide).log_abs_det()
+        return self._elbo_and_diagnostics(log_target, entropy, {"latent": details})
+
+    def _elbo_and_diagnostics(self, log_target, entropy, diagnostics):
+        """``(loss, surrogate)`` from the per-particle log target and entropy; records
+        :attr:`diagnostics`."""
+        elbo = (log_target + self.entropy_weight * entropy).mean()
+        self.diagnostics = {"elbo": elbo.item(), "bound": self.bound}
+        if torch.is_tensor(entropy):
+            self.diagnostics["entropy"] = entropy.mean().item()
+        if self.bound == "svd" and diagnostics:
+            s1 = torch.cat([d["smallest_singular_value"] for d in diagnostics.values()])
+            res = torch.cat([d["residual"] for d in diagnostics.values()])
+            self.diagnostics["smallest_singular_value"] = s1.mean().item()
+            self.diagnostics["residual"] = res.max().item()
+        # the estimate is differentiable as it stands: value and surrogate coincide
+        return -elbo.detach(), -elbo
+
+    def _traced_loss_and_surrogate(self, model, guide, args, kwargs):
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
         n, mpn = self.num_particles, self.max_plate_nesting
         log_joint = self.log_joint_particles(model_trace)
@@ -425,14 +492,4 @@ class LIVI_ELBO(ImplicitELBO):
             site_entropy, details = self._site_entropy(guide_trace, site)
             entropy = entropy + scale_and_mask(site_entropy, site["scale"], site["mask"])
             diagnostics[site["name"]] = details
-        elbo = (log_joint - log_guide + self.entropy_weight * entropy).mean()
-        self.diagnostics = {"elbo": elbo.item(), "bound": self.bound}
-        if torch.is_tensor(entropy):
-            self.diagnostics["entropy"] = entropy.mean().item()
-        if self.bound == "svd" and diagnostics:
-            s1 = torch.cat([d["smallest_singular_value"] for d in diagnostics.values()])
-            res = torch.cat([d["residual"] for d in diagnostics.values()])
-            self.diagnostics["smallest_singular_value"] = s1.mean().item()
-            self.diagnostics["residual"] = res.max().item()
-        # the estimate is differentiable as it stands: value and surrogate coincide
-        return -elbo.detach(), -elbo
+        return self._elbo_and_diagnostics(log_joint - log_guide, entropy, diagnostics)

@@ -40,7 +40,6 @@ from ..errors import PairingError
 from ..guides.base import implicit_site_info
 from ..guides.linearized import LinearizedGuide
 from ..guides.semi_implicit import SemiImplicitGuide
-from ..latent import LatentSpace
 from .base import (
     ImplicitELBO,
     auxiliary_site_value,
@@ -148,6 +147,13 @@ class SIVI_ELBO(ImplicitELBO):
     :param int max_plate_nesting: the model's plate nesting (guessed if omitted).
     :param bool check_vectorization: check once that the model is safe under the
         particle plate (see :func:`~pyro_implicit.elbo.base.check_vectorized_log_joint`).
+    :param compile: ``"fx"`` (default): after the first step, which traces the model and the guide
+        through Pyro and checks them, a whole :class:`~pyro_implicit.guides.SemiImplicitGuide` is
+        drawn directly and its draws scored by a traced graph of the model's log-density
+        (:meth:`~pyro_implicit.latent.LatentSpace.compile`), then its K extra mixing draws: the same
+        loss, step for step, to float rounding; ``"inductor"`` also compiles that graph; ``False``
+        traces every step. Guide lists, a latent site under ``poutine.scale`` and models with their
+        own ``pyro.param`` keep Pyro's traces.
 
     References
 
@@ -307,30 +313,11 @@ class SIVI_ELBO(ImplicitELBO):
         if terms is None:
             terms = self._particle_terms(model, guide, args, kwargs, num_mixing)
             if self.compile and key not in self._fast_spaces:
-                self._fast_spaces[key] = self._fast_space(guide, args, kwargs)
+                self._fast_spaces[key] = self._direct_space(guide, SemiImplicitGuide, args, kwargs)
         elbo = terms.mean()
         self.diagnostics = {"num_mixing": num_mixing, "elbo": elbo.item()}
         # the estimate is differentiable as it stands: value and surrogate coincide
         return -elbo.detach(), -elbo
-
-    def _fast_space(self, guide, args, kwargs):
-        """The compiled log-density that scores the next steps' draws, read off the traced
-        step just taken; ``None`` where a step needs Pyro's traces: a guide other than one
-        whole :class:`~pyro_implicit.guides.SemiImplicitGuide` (an ``AutoGuideList``, an
-        amortised guide), a latent site under ``poutine.scale``, or the model's own
-        parameters."""
-        model_trace, guide_trace = self._last_traces
-        sites = implicit_guide_sites(guide_trace)
-        if (
-            type(guide) is not SemiImplicitGuide
-            or len(sites) != 1
-            or implicit_site_info(sites[0])["guide"] is not guide
-            or any(float(site["scale"]) != 1.0 for site in sites)
-            or any(site["type"] == "param" for site in model_trace.nodes.values())
-        ):
-            return None
-        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
-        return space.compile(self.compile)
 
     def _fast_particle_terms(self, space, guide, args, kwargs, num_mixing):
         """:meth:`_particle_terms` without Pyro traces: the guide drawn directly (its noise,
