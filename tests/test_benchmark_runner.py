@@ -48,3 +48,21 @@ def test_runs_a_script_as_python_would_and_rewrites_the_manifest(runner, tmp_pat
     assert (results / "toy.md").read_text() == "--seed 3"
     assert (results / "MANIFEST.md").read_text() == "manifest\n"
     assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_numpyro_row_is_skipped_with_its_reason(load_benchmark, tmp_path):
+    """JAX and NumPyro are never the library's dependencies: without an interpreter that
+    has them, compiled_score's NumPyro comparison says why it is missing."""
+    import torch
+
+    bench = load_benchmark("compiled_score")
+    table = {"eight_schools": (None, (torch.zeros(8), torch.ones(8)), {}, 1)}
+    assert bench.numpyro_steps(None, table, 4, 1, 1, 0) == (None, "no --numpyro-python given")
+    missing = str(tmp_path / "no-python")
+    measured, reason = bench.numpyro_steps(missing, table, 4, 1, 1, 0)
+    assert measured is None and reason.startswith(f"{missing} did not run")
+    fails = tmp_path / "python-without-numpyro"
+    fails.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named jax' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    measured, reason = bench.numpyro_steps(str(fails), table, 4, 1, 1, 0)
+    assert measured is None and "No module named jax" in reason
