@@ -632,6 +632,31 @@ def test_a_nan_sampler_stops_naming_the_site(method):
         fit.step()
 
 
+def _breaks_beyond_ten(y):
+    """Two sites whose model factorises a matrix that is positive definite only while
+    |a| < 10 (every prior draw): a fit that moves beyond makes the model raise a
+    ``LinAlgError``."""
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    c = a / 10.0
+    one = torch.ones_like(c)
+    corr = torch.stack([torch.stack([one, c], -1), torch.stack([c, one], -1)], -2)
+    torch.linalg.cholesky(corr)
+    with pyro.plate("data", N):
+        pyro.sample("y", dist.Normal(a + b, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("method", SAMPLER_METHODS, ids=str)
+def test_a_fit_that_moves_where_the_model_breaks_stops_naming_the_site(method):
+    fit = Fit(method, _breaks_beyond_ten, _data()["scalar"])
+    fit.step()
+    bias = next(p for n, p in fit.guide.named_parameters() if n.endswith("output.bias"))
+    with torch.no_grad():
+        bias[0] = 1e3
+    with pytest.raises(DivergenceError, match=r"LinAlgError.*'a' .*lower learning rate"):
+        fit.step()
+
+
 @pytest.mark.parametrize("value", [float("nan"), 1e30], ids=["nan", "exploded"])
 def test_particles_stop_when_they_diverge(value):
     fit = Fit(METHODS[-2], _two_sites, _data()["scalar"])

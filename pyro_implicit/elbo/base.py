@@ -190,16 +190,23 @@ class ImplicitELBO(ELBO):
 
     def _run_traced(self, fn, args, kwargs, what, guide_trace=None):
         """Trace ``fn``; a ``ValueError`` raised at non-finite draws (Pyro's validation of
-        a Delta or a distribution parameter) or, after the first step, at draws the fit
-        has moved to, becomes a :class:`DivergenceError` naming the sites."""
+        a Delta or a distribution parameter) or, after the first step, such an error or a
+        failed factorisation (``torch.linalg.LinAlgError``) at draws the fit has moved to,
+        becomes a :class:`DivergenceError` naming the sites."""
         tracer = poutine.trace(fn)
         try:
             return tracer.get_trace(*args, **kwargs)
-        except ValueError as e:
+        except (ValueError, torch.linalg.LinAlgError) as e:
             partial = tracer.msngr.trace
             draws = guide_trace if guide_trace is not None else partial
             bad = _nonfinite_sites(draws)
-            if not bad and not (self._num_evaluations > 0 and "Expected parameter" in str(e)):
+            # after the first step, a parameter out of its support or a factorisation
+            # that fails (a covariance no longer positive definite) is a fit that moved
+            # where the model breaks; on the first step it is the model's own error
+            moved = self._num_evaluations > 0 and (
+                isinstance(e, torch.linalg.LinAlgError) or "Expected parameter" in str(e)
+            )
+            if not bad and not moved:
                 raise
             first_line = str(e).strip().splitlines()[0]
             reached = [
@@ -319,7 +326,10 @@ class ImplicitELBO(ELBO):
         limit = self.max_abs_draw if self.max_abs_draw is not None else math.inf
         if not bool(torch.isfinite(u).all()) or u.detach().abs().max().item() > limit:
             return None
-        out = space.score(u.detach(), args, kwargs, full_data=False)
+        try:
+            out = space.score(u.detach(), args, kwargs, full_data=False)
+        except (ValueError, torch.linalg.LinAlgError):
+            return None  # the model fails at these draws: the traced step names the sites
         if out is None or not bool(torch.isfinite(out[0]).all()):
             return None
         log_density, score = out

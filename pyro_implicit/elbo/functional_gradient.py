@@ -197,7 +197,10 @@ class _FunctionalGradientELBO(ImplicitELBO):
         limit = self.max_abs_draw if self.max_abs_draw is not None else float("inf")
         if not bool(torch.isfinite(latent).all()) or latent.detach().abs().max() > limit:
             return None  # the traced-model path stops it with a DivergenceError naming sites
-        out = space.score(latent.detach(), args, kwargs, full_data=False)
+        try:
+            out = space.score(latent.detach(), args, kwargs, full_data=False)
+        except (ValueError, torch.linalg.LinAlgError):
+            return None  # the model fails at these draws: the traced step names the sites
         if out is None:
             return None
         log_target, latent_score = out
