@@ -127,6 +127,34 @@ def _fit_losses(
     return losses, params, loss
 
 
+def _eight_schools_and_subsampled():
+    """``(model, args, kwargs, max_plate_nesting)`` of eight schools and of a subsampled
+    model (a fresh minibatch every step)."""
+    m = load_model("eight_schools")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
+    return [
+        (m.model, m.args, m.kwargs, m.max_plate_nesting),
+        (subsampled, (x, y), {"subsample_size": 10}, 1),
+    ]
+
+
+def _assert_traced_path_matches(loss_cls, model, args, kwargs, mpn, **fit_kwargs):
+    """Fit with the traced path and with Pyro's traces from one seed: the same losses and
+    parameters, step for step (float64, the conftest's dtype). Returns the traced fit's
+    loss, for the caller to check that the path was taken."""
+    fast, p_fast, loss = _fit_losses(loss_cls, "fx", model, args, kwargs, mpn, **fit_kwargs)
+    slow, p_slow, _ = _fit_losses(loss_cls, False, model, args, kwargs, mpn, **fit_kwargs)
+    assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
+    assert (p_fast - p_slow).abs().max() < 1e-8
+    return loss
+
+
+def _took_the_direct_path(loss):
+    (space,) = loss._fast_spaces.values()
+    return space is not None and space.compiled.active
+
+
 def test_kernel_losses_traced_path_matches_the_pyro_traces():
     """KernelRatioELBO and SteinScoreELBO after their first step draw the guide directly
     and score the draws with the traced graph: the same losses and parameters, step for
@@ -134,26 +162,11 @@ def test_kernel_losses_traced_path_matches_the_pyro_traces():
     subsampled model (a fresh minibatch every step)."""
     from pyro_implicit import KernelRatioELBO, SteinScoreELBO
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        m = load_model("eight_schools")
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
-        problems = [
-            (m.model, m.args, m.kwargs, m.max_plate_nesting),
-            (subsampled, (x, y), {"subsample_size": 10}, 1),
-        ]
-        for loss_cls in (KernelRatioELBO, SteinScoreELBO):
-            for model, args, kwargs, mpn in problems:
-                fast, p_fast, loss = _fit_losses(loss_cls, "fx", model, args, kwargs, mpn)
-                slow, p_slow, _ = _fit_losses(loss_cls, False, model, args, kwargs, mpn)
-                assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
-                assert (p_fast - p_slow).abs().max() < 1e-8
-                (plan,) = loss._fast_plans.values()
-                assert plan is not None and plan[0].compiled.active  # the path was taken
-    finally:
-        torch.set_default_dtype(dtype)
+    for loss_cls in (KernelRatioELBO, SteinScoreELBO):
+        for problem in _eight_schools_and_subsampled():
+            loss = _assert_traced_path_matches(loss_cls, *problem)
+            (plan,) = loss._fast_plans.values()
+            assert plan is not None and plan[0].compiled.active  # the path was taken
 
 
 def test_kernel_losses_keep_pyro_traces_where_the_graph_does_not_apply():
@@ -182,46 +195,22 @@ def test_sivi_traced_path_matches_the_pyro_traces():
     from pyro_implicit import SIVI_ELBO, SemiImplicitGuide
     from pyro_implicit.elbo.sivi import linear_schedule
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        m = load_model("eight_schools")
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
-        problems = [
-            (m.model, m.args, m.kwargs, m.max_plate_nesting, {}),
-            (subsampled, (x, y), {"subsample_size": 10}, 1, {}),
-            (
-                m.model,
-                m.args,
-                m.kwargs,
-                m.max_plate_nesting,
-                {"schedule": linear_schedule(0, 20, 20)},
-            ),
-        ]
-        for model, args, kwargs, mpn, extra in problems:
-            runs = [
-                _fit_losses(
-                    SIVI_ELBO,
-                    c,
-                    model,
-                    args,
-                    kwargs,
-                    mpn,
-                    guide_cls=SemiImplicitGuide,
-                    num_particles=8,
-                    num_mixing=10,
-                    **extra,
-                )
-                for c in ("fx", False)
-            ]
-            (fast, p_fast, loss), (slow, p_slow, _) = runs
-            assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
-            assert (p_fast - p_slow).abs().max() < 1e-8
-            (space,) = loss._fast_spaces.values()
-            assert space is not None and space.compiled.active  # the path was taken
-    finally:
-        torch.set_default_dtype(dtype)
+    eight_schools, subsampled_problem = _eight_schools_and_subsampled()
+    cases = [
+        (eight_schools, {}),
+        (subsampled_problem, {}),
+        (eight_schools, {"schedule": linear_schedule(0, 20, 20)}),
+    ]
+    for problem, extra in cases:
+        loss = _assert_traced_path_matches(
+            SIVI_ELBO,
+            *problem,
+            guide_cls=SemiImplicitGuide,
+            num_particles=8,
+            num_mixing=10,
+            **extra,
+        )
+        assert _took_the_direct_path(loss)
 
 
 def test_livi_traced_path_matches_the_pyro_traces():
@@ -231,44 +220,16 @@ def test_livi_traced_path_matches_the_pyro_traces():
     model; a prior weight (which needs the prior apart) keeps the traces."""
     from pyro_implicit import LIVI_ELBO, LinearizedGuide
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        m = load_model("eight_schools")
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
-        problems = [
-            (m.model, m.args, m.kwargs, m.max_plate_nesting, {}),
-            (m.model, m.args, m.kwargs, m.max_plate_nesting, {"bound": "svd"}),
-            (subsampled, (x, y), {"subsample_size": 10}, 1, {}),
-        ]
-        for model, args, kwargs, mpn, extra in problems:
-            runs = [
-                _fit_losses(
-                    LIVI_ELBO, c, model, args, kwargs, mpn, guide_cls=LinearizedGuide, **extra
-                )
-                for c in ("fx", False)
-            ]
-            (fast, p_fast, loss), (slow, p_slow, _) = runs
-            assert max(abs(a - b) for a, b in zip(fast, slow, strict=True)) < 1e-8
-            assert (p_fast - p_slow).abs().max() < 1e-8
-            (space,) = loss._fast_spaces.values()
-            assert space is not None and space.compiled.active  # the path was taken
-        with pytest.warns(UserWarning, match="prior_weight"):
-            _, _, loss = _fit_losses(
-                LIVI_ELBO,
-                "fx",
-                m.model,
-                m.args,
-                m.kwargs,
-                m.max_plate_nesting,
-                steps=2,
-                guide_cls=LinearizedGuide,
-                prior_weight=0.5,
-            )
-        assert loss._fast_spaces == {}
-    finally:
-        torch.set_default_dtype(dtype)
+    eight_schools, subsampled_problem = _eight_schools_and_subsampled()
+    cases = [(eight_schools, {}), (eight_schools, {"bound": "svd"}), (subsampled_problem, {})]
+    for problem, extra in cases:
+        loss = _assert_traced_path_matches(LIVI_ELBO, *problem, guide_cls=LinearizedGuide, **extra)
+        assert _took_the_direct_path(loss)
+    with pytest.warns(UserWarning, match="prior_weight"):
+        _, _, loss = _fit_losses(
+            LIVI_ELBO, "fx", *eight_schools, steps=2, guide_cls=LinearizedGuide, prior_weight=0.5
+        )
+    assert loss._fast_spaces == {}
 
 
 def test_sivi_keeps_pyro_traces_for_guide_lists():

@@ -607,15 +607,21 @@ def test_a_guide_that_leaves_a_latent_site_out_is_refused(guide_name, loss):
 SAMPLER_METHODS = [m for m in SVI_METHODS if m.guide != "AutoNormal"]
 
 
+def _fit_then_push(method, model, coordinate, value):
+    """A fit of ``model`` after one step, its sampler's output bias at ``coordinate`` then
+    set to ``value``: the next step's draws of that coordinate go where the test wants."""
+    fit = Fit(method, model, _data()["scalar"])
+    fit.step()
+    bias = next(p for n, p in fit.guide.named_parameters() if n.endswith("output.bias"))
+    with torch.no_grad():
+        bias[coordinate] = value
+    return fit
+
+
 @pytest.mark.parametrize("method", SAMPLER_METHODS, ids=str)
 def test_an_exploding_fit_stops_naming_the_site(method):
-    fit = Fit(method, _two_sites, _data()["scalar"])
-    fit.step()
     # a diverged sampler: the draws of one coordinate run away
-    site = fit.guide
-    bias = next(p for n, p in site.named_parameters() if n.endswith("output.bias"))
-    with torch.no_grad():
-        bias[0] = 1e30
+    fit = _fit_then_push(method, _two_sites, 0, 1e30)
     with pytest.raises(DivergenceError, match=r"'a' .*lower learning rate") as info:
         fit.step()
     assert "Delta" not in str(info.value)
@@ -623,11 +629,7 @@ def test_an_exploding_fit_stops_naming_the_site(method):
 
 @pytest.mark.parametrize("method", SAMPLER_METHODS, ids=str)
 def test_a_nan_sampler_stops_naming_the_site(method):
-    fit = Fit(method, _two_sites, _data()["scalar"])
-    fit.step()
-    bias = next(p for n, p in fit.guide.named_parameters() if n.endswith("output.bias"))
-    with torch.no_grad():
-        bias[1] = float("nan")
+    fit = _fit_then_push(method, _two_sites, 1, float("nan"))
     with pytest.raises(DivergenceError, match=r"'b' nan \(not finite\).*float64"):
         fit.step()
 
@@ -648,11 +650,7 @@ def _breaks_beyond_ten(y):
 
 @pytest.mark.parametrize("method", SAMPLER_METHODS, ids=str)
 def test_a_fit_that_moves_where_the_model_breaks_stops_naming_the_site(method):
-    fit = Fit(method, _breaks_beyond_ten, _data()["scalar"])
-    fit.step()
-    bias = next(p for n, p in fit.guide.named_parameters() if n.endswith("output.bias"))
-    with torch.no_grad():
-        bias[0] = 1e3
+    fit = _fit_then_push(method, _breaks_beyond_ten, 0, 1e3)
     with pytest.raises(DivergenceError, match=r"LinAlgError.*'a' .*lower learning rate"):
         fit.step()
 

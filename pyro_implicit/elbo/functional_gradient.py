@@ -172,10 +172,8 @@ class _FunctionalGradientELBO(ImplicitELBO):
         (the caller then traces, and names the sites if the fit has diverged)."""
         n, mpn = self.num_particles, self.max_plate_nesting
         if direct:
-            guide._sync_param_store()
-            ref = guide._noise_reference
-            with guide._pyro_context:  # registers the sampler's parameters, as a call would
-                noise = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
+            with guide.drawing_directly():
+                noise = guide.standard_normal(n, guide.noise_dim)
                 latent = guide.preconditioner.unwhiten(guide._latent_from_noise(noise))
             draws, guide_obj, scale = _Draws(latent, noise=noise), guide, 1.0
             self._last_traces = None

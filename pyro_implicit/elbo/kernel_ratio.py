@@ -576,8 +576,7 @@ class KernelRatioELBO(ImplicitELBO):
             return None
         # read anew: a loaded state may have replaced the guide's preconditioner
         preconditioners = _packed_preconditioners(guide) if ac == "preconditioner" else None
-        guide._sync_param_store()
-        with guide._pyro_context:  # registers the sampler's parameters, as a call would
+        with guide.drawing_directly():
             u = guide.sample_unconstrained(self.num_particles)
         log_target = self._compiled_log_target(space, u, args, kwargs)
         if log_target is None:

@@ -445,11 +445,9 @@ class LIVI_ELBO(ImplicitELBO):
         if not space.compiled.active:
             return None
         n = self.num_particles
-        guide._sync_param_store()
-        ref = guide._noise_reference
-        with guide._pyro_context:  # registers the generator's parameters, as a call would
-            z = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
-            xi = torch.randn(n, guide.latent_dim, dtype=ref.dtype, device=ref.device)
+        with guide.drawing_directly():
+            z = guide.standard_normal(n, guide.noise_dim)
+            xi = guide.standard_normal(n, guide.latent_dim)
             u = guide.preconditioner.unwhiten(guide.generator(z) + guide.sigma * xi)
         log_target = self._compiled_log_target(space, u, args, kwargs)
         if log_target is None:

@@ -327,12 +327,10 @@ class SIVI_ELBO(ImplicitELBO):
         then runs and names the sites if the fit has diverged)."""
         if not space.compiled.active:
             return None
-        n = self.num_particles
-        guide._sync_param_store()
-        ref = guide._noise_reference
-        with guide._pyro_context:  # registers the guide's parameters, as a call would
-            noise = torch.randn(n, guide.noise_dim, dtype=ref.dtype, device=ref.device)
-            eps, eta = guide._split_noise(noise)
+        with guide.drawing_directly():
+            eps, eta = guide._split_noise(
+                guide.standard_normal(self.num_particles, guide.noise_dim)
+            )
             psi_own = guide.mixing(eps)
             u = guide.preconditioner.unwhiten(guide._conditional_sample(psi_own, eta))
         log_target = self._compiled_log_target(space, u, args, kwargs)

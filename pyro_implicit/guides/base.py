@@ -18,6 +18,7 @@ Trace layout (what a loss sees):
 * one Jacobian-carrying ``Delta`` per model site, exactly as ``AutoContinuous`` emits.
 """
 
+import contextlib
 import math
 
 import pyro
@@ -422,14 +423,27 @@ class ImplicitAutoGuide(AutoContinuous):
                 "guide(*args) (or run one SVI step) before sampling from it."
             )
 
+    def standard_normal(self, *shape):
+        """Standard normal noise of ``shape`` in the guide's dtype and on its device."""
+        ref = self._noise_reference
+        return torch.randn(*shape, dtype=ref.dtype, device=ref.device)
+
+    @contextlib.contextmanager
+    def drawing_directly(self):
+        """Draw from the guide outside a Pyro call (a loss's traced path) as a call would:
+        the param store read (a loaded store replaces the tensors) and the guide's
+        parameters registered with it (its Pyro context)."""
+        self._sync_param_store()
+        with self._pyro_context:
+            yield
+
     def sample_unconstrained(self, num_samples):
         """Draw ``(num_samples, D)`` packed unconstrained latents in one vectorised call.
 
         Keeps the autograd graph to the sampler's parameters.
         """
         self._check_ready()
-        ref = self._noise_reference
-        noise = torch.randn(num_samples, self.noise_dim, dtype=ref.dtype, device=ref.device)
+        noise = self.standard_normal(num_samples, self.noise_dim)
         return self.preconditioner.unwhiten(self._latent_from_noise(noise))
 
     def unpack(self, latent):

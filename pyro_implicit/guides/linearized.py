@@ -30,7 +30,6 @@ import math
 
 import pyro
 import pyro.distributions as dist
-import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_median
 
@@ -224,8 +223,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         """Draw ``(num_samples, d)`` base noise values z: the mixing variable of this
         semi-implicit guide, in the space of its ``mixing_site`` (for ``SIVI_ELBO``)."""
         self._check_ready()
-        ref = self._noise_reference
-        return torch.randn(num_samples, self.noise_dim, dtype=ref.dtype, device=ref.device)
+        return self.standard_normal(num_samples, self.noise_dim)
 
     # ------------------------------------------------------------------ sampling
     def _latent_from_noise(self, noise):
@@ -237,10 +235,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         """Draw ``(num_samples, D)`` packed unconstrained latents in one vectorised call
         (with autograd graph to the generator)."""
         self._check_ready()
-        ref = self._noise_reference
-        noise = torch.randn(
-            num_samples, self.noise_dim + self.latent_dim, dtype=ref.dtype, device=ref.device
-        )
+        noise = self.standard_normal(num_samples, self.noise_dim + self.latent_dim)
         return self.preconditioner.unwhiten(self._latent_from_noise(noise))
 
     # ------------------------------------------------------------------ pyro guide
