@@ -313,24 +313,32 @@ class ImplicitELBO(ELBO):
         space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
         return space.compile(self.compile)
 
-    def _compiled_log_target(self, space, u, args, kwargs):
-        r"""Per particle :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T /
-        \partial u|` of the packed draws ``u`` ``(N, D)`` (with graph) from the compiled
+    def _compiled_score(self, space, u, args, kwargs):
+        r"""``(log_density, score)`` of the packed draws ``u`` ``(N, D)`` from the compiled
         graph of ``space`` (:meth:`~pyro_implicit.latent.LatentSpace.compile`; one
-        minibatch where the model subsamples, as a model trace gives): the value of the
-        traced path's :meth:`log_joint_particles` minus the guide's ``biject_to`` Deltas,
-        and the gradient :math:`\nabla_u \log \tilde p \cdot \mathrm d u` through the
-        draws. ``None`` where a draw or its log-density is not finite or a draw is beyond
-        :attr:`max_abs_draw` (the caller then traces, and names the sites if the fit has
-        diverged)."""
+        minibatch where the model subsamples, as a model trace gives), both detached:
+        :math:`\log \tilde p(u) = \log p(x, T(u)) + \log|\det \partial T / \partial u|`,
+        the traced path's :meth:`log_joint_particles` minus the guide's ``biject_to``
+        Deltas, and its gradient in ``u``. ``None`` where a draw or its log-density is not
+        finite, a draw is beyond :attr:`max_abs_draw` or the model fails at the draws (the
+        caller then traces, and names the sites if the fit has diverged)."""
         limit = self.max_abs_draw if self.max_abs_draw is not None else math.inf
         if not bool(torch.isfinite(u).all()) or u.detach().abs().max().item() > limit:
             return None
         try:
             out = space.score(u.detach(), args, kwargs, full_data=False)
         except (ValueError, torch.linalg.LinAlgError):
-            return None  # the model fails at these draws: the traced step names the sites
+            return None
         if out is None or not bool(torch.isfinite(out[0]).all()):
+            return None
+        return out
+
+    def _compiled_log_target(self, space, u, args, kwargs):
+        r"""Per particle :math:`\log \tilde p(u)` (:meth:`_compiled_score`) with the
+        gradient :math:`\nabla_u \log \tilde p \cdot \mathrm d u` through the draws ``u``
+        (with graph); ``None`` where :meth:`_compiled_score` is."""
+        out = self._compiled_score(space, u, args, kwargs)
+        if out is None:
             return None
         log_density, score = out
         path = (score.detach() * u).sum(-1)

@@ -191,16 +191,9 @@ class _FunctionalGradientELBO(ImplicitELBO):
             scale = site["scale"]
             scale = scale.item() if torch.is_tensor(scale) else float(scale)
             self._last_traces = (None, guide_trace)  # for the divergence check's message
-        latent = draws.latent
-        limit = self.max_abs_draw if self.max_abs_draw is not None else float("inf")
-        if not bool(torch.isfinite(latent).all()) or latent.detach().abs().max() > limit:
-            return None  # the traced-model path stops it with a DivergenceError naming sites
-        try:
-            out = space.score(latent.detach(), args, kwargs, full_data=False)
-        except (ValueError, torch.linalg.LinAlgError):
-            return None  # the model fails at these draws: the traced step names the sites
+        out = self._compiled_score(space, draws.latent, args, kwargs)
         if out is None:
-            return None
+            return None  # the traced-model path stops it with a DivergenceError naming sites
         log_target, latent_score = out
         score = preconditioner_of(guide_obj).whiten_score(latent_score)
         direction, outputs = self._direction(guide_obj, draws, score, scale)
