@@ -8,6 +8,7 @@ from pyro_implicit.kernels import (
     IMQKernel,
     RBFKernel,
     median_bandwidth,
+    median_from_squared_distances,
     squared_distances,
     svgd_bandwidth_factor,
 )
@@ -39,6 +40,23 @@ def test_median_bandwidth_matches_numpy_median(n):
     iu = np.triu_indices(n, 1)
     expected = np.median(d.numpy()[iu])
     assert median_bandwidth(x).item() == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [60, 61])
+def test_median_with_ties_matches_numpy_median(n, dtype):
+    # duplicated particles: many tied distances, where selection algorithms differ
+    x = torch.randn(n // 3, 4, dtype=dtype).repeat(3, 1)
+    x = torch.cat([x, torch.randn(n - x.shape[0], 4, dtype=dtype)])
+    d2 = brute_squared_distances(x, x)
+    iu = np.triu_indices(n, 1)
+    expected = np.median(d2.sqrt().numpy()[iu])
+    median = median_from_squared_distances(d2)
+    assert median.dtype == dtype and median.shape == ()
+    assert median.item() == pytest.approx(expected, rel=1e-6)
+    # torch's own selection (the path off the CPU) gives the same value
+    half = median_from_squared_distances(d2.to(torch.bfloat16)).float()
+    assert half.item() == pytest.approx(expected, rel=2e-2)
 
 
 def test_median_bandwidth_pools_samples_and_has_no_gradient():
