@@ -21,6 +21,7 @@ Usage::
 """
 
 import argparse
+import contextlib
 import datetime
 import subprocess
 import sys
@@ -29,8 +30,10 @@ from pathlib import Path
 
 import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
+import pyro.distributions as dist
 import torch
 
+from pyro_implicit.compiled import CompiledLogDensity
 from pyro_implicit.datasets import data_available, load_uci
 from pyro_implicit.latent import LatentSpace
 from pyro_implicit.models import load_model
@@ -46,11 +49,44 @@ def _boston():
     return bnn, (split.x_train, split.y_train), {"subsample_size": 100}, 1
 
 
+HIER_GROUPS, HIER_FEATURES, HIER_ROWS = 8, 4, 400
+
+
+def hierarchical_logistic_model(x, group, y=None):
+    """Logistic regression with group-level coefficients: ``mu ~ N(0, 2^2)``, ``tau ~
+    HalfNormal(1)`` per feature, ``beta_j ~ N(mu, tau^2)`` for each of the groups, and
+    ``y_i ~ Bernoulli(sigmoid(x_i . beta_{group_i}))`` (written to broadcast over particle
+    plates)."""
+    features = x.shape[-1]
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 2.0).expand([features]).to_event(1))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())).expand([features]).to_event(1))
+    with pyro.plate("groups", HIER_GROUPS, dim=-1):
+        beta = pyro.sample("beta", dist.Normal(mu, tau).to_event(1))
+    with pyro.plate("data", x.shape[0], dim=-1):
+        logits = (x * beta[..., group, :]).sum(-1)
+        pyro.sample("obs", dist.Bernoulli(logits=logits), obs=y)
+
+
+def hierarchical_logistic():
+    """:func:`hierarchical_logistic_model` on simulated data (seed 0): 400 rows, 8 groups,
+    an intercept and 3 covariates (D = 4 + 4 + 32 = 40)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(HIER_ROWS, HIER_FEATURES, generator=g)
+    x[:, 0] = 1.0
+    group = torch.arange(HIER_ROWS) % HIER_GROUPS
+    mu = torch.tensor([-0.5, 1.0, -1.0, 0.5])
+    beta = mu + 0.5 * torch.randn(HIER_GROUPS, HIER_FEATURES, generator=g)
+    logits = (x * beta[group]).sum(-1)
+    y = torch.bernoulli(torch.sigmoid(logits), generator=g)
+    return hierarchical_logistic_model, (x, group, y), {}, 1
+
+
 def models():
     out = {}
     for name in ("eight_schools", "waveform_logistic"):
         m = load_model(name)
         out[name] = (m.model, m.args, m.kwargs, m.max_plate_nesting)
+    out["hierarchical_logistic"] = hierarchical_logistic()
     if data_available():
         out["boston_bnn"] = _boston()
     return out
@@ -97,9 +133,12 @@ def time_svgd(model, args, kwargs, mpn, compile, particles, steps, seed):
 
 
 def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
-    """ms per SVI step (after 5 warm-up steps) of ``name``: ``"autonormal"`` (AutoNormal +
-    Trace_ELBO, vectorised particles), or ``"gpvi"`` / ``"asvgd"`` with ``compile`` False
-    (``-eager``) or ``"fx"``."""
+    """``(ms per SVI step after 5 warm-up steps, seconds of those 5 steps, seconds of them
+    spent in torch.compile)`` of ``name``:
+    ``"autonormal"`` (AutoNormal + Trace_ELBO, vectorised particles), or
+    ``"METHOD-BACKEND"`` with METHOD one of kivi, stein, asvgd, gpvi, sivi, livi and
+    BACKEND ``eager`` (``compile=False``), ``fx`` or ``inductor``. The warm-up holds the
+    set-up: preconditioner search, vectorisation check, trace, compile."""
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
 
@@ -145,32 +184,48 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
                 num_particles=particles, max_plate_nesting=mpn, compile=compile
             )
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
-    for _ in range(5):  # set-up, preconditioner, vectorisation check, trace
-        svi.step(*args, **kwargs)
+    start = time.perf_counter()
+    with _recording_graphs() as graphs:
+        for _ in range(5):  # set-up, preconditioner, vectorisation check, trace
+            svi.step(*args, **kwargs)
+    setup = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         svi.step(*args, **kwargs)
-    return 1000 * (time.perf_counter() - start) / steps
+    compile_seconds = sum(g.stats["compile_seconds"] for g in graphs)
+    return 1000 * (time.perf_counter() - start) / steps, setup, compile_seconds
+
+
+@contextlib.contextmanager
+def _recording_graphs():
+    """The :class:`~pyro_implicit.compiled.CompiledLogDensity` objects built inside, as a
+    list (their ``stats`` hold the seconds spent tracing and compiling)."""
+    built = []
+    original = CompiledLogDensity.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    CompiledLogDensity.__init__ = recording
+    try:
+        yield built
+    finally:
+        CompiledLogDensity.__init__ = original
 
 
 LOSSES = ("autonormal", "gpvi-eager", "gpvi-fx", "asvgd-eager", "asvgd-fx")
 
 #: ``--only-losses``: the implicit losses whose traced path skips the guide's trace too
-KERNEL_LOSSES = (
-    "autonormal",
-    "kivi-eager",
-    "kivi-fx",
-    "stein-eager",
-    "stein-fx",
-    "asvgd-eager",
-    "asvgd-fx",
-    "gpvi-eager",
-    "gpvi-fx",
-    "sivi-eager",
-    "sivi-fx",
-    "livi-eager",
-    "livi-fx",
+METHODS = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi")
+KERNEL_LOSSES = ("autonormal",) + tuple(
+    f"{m}-{b}" for m in METHODS for b in ("eager", "fx", "inductor")
 )
+#: what ``--only-losses`` times unless ``--losses`` says otherwise
+DEFAULT_LOSSES = tuple(n for n in KERNEL_LOSSES if not n.endswith("-inductor"))
+
+#: steps of a default fit, against which a set-up's cost is weighed
+DEFAULT_FIT_STEPS = 2000
 
 
 def numpyro_steps(python, model_table, particles, steps, repeats, seed):
@@ -207,20 +262,25 @@ def numpyro_steps(python, model_table, particles, steps, repeats, seed):
 
 
 def main_losses(args, command, commit):
-    """The SVI-step table alone, for :data:`KERNEL_LOSSES` (``--only-losses``), and with
-    ``--numpyro-python`` NumPyro's jitted step beside it."""
-    rows = []
-    model_table = models()
-    chosen = [n for n in KERNEL_LOSSES if n in args.losses.split(",")]
+    """The SVI-step table alone, for the losses of ``--losses`` (any of
+    :data:`KERNEL_LOSSES`), with each loss's set-up seconds, and with ``--numpyro-python``
+    NumPyro's jitted step beside it."""
+    chosen = [n.strip() for n in args.losses.split(",") if n.strip()]
+    unknown = sorted(set(chosen) - set(KERNEL_LOSSES))
+    if unknown:
+        raise SystemExit(f"unknown --losses {unknown}; choose from {', '.join(KERNEL_LOSSES)}")
     if "autonormal" not in chosen:
         chosen.insert(0, "autonormal")
+    rows, setups = [], {}
+    model_table = models()
     for name, (model, margs, mkwargs, mpn) in model_table.items():
-        losses = {n: float("inf") for n in KERNEL_LOSSES}
+        losses = {n: float("inf") for n in chosen}
+        setups[name] = {n: [] for n in chosen}
         for _ in range(args.repeats):
             for loss_name in chosen:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms = time_loss(
+                ms, setup, compiling = time_loss(
                     model,
                     margs,
                     mkwargs,
@@ -231,8 +291,11 @@ def main_losses(args, command, commit):
                     args.seed,
                 )
                 losses[loss_name] = min(losses[loss_name], ms)
+                setups[name][loss_name].append((setup, compiling))
         rows.append((name, losses))
         print(name, {n: f"{v:.2f} ms" for n, v in losses.items()}, flush=True)
+    backends = [b for b in ("fx", "inductor") if any(n.endswith(f"-{b}") for n in chosen)]
+    methods = [m for m in METHODS if any(n.startswith(f"{m}-") for n in chosen)]
     lines = [
         "# SVI steps of the implicit losses: Pyro traces against the traced graph",
         "",
@@ -247,42 +310,79 @@ def main_losses(args, command, commit):
         "LIVI_ELBO(); "
         "`-fx`: after the "
         "first step the guide is drawn directly and its draws scored by the traced graph "
-        "(`compile='fx'`, the default); `-eager`: every step traces the guide and the model "
-        "through Pyro (`compile=False`, the code before this path).",
+        "(`compile='fx'`, the default); `-inductor`: that graph also compiled by "
+        "`torch.compile` (`compile='inductor'`); `-eager`: every step traces the guide and "
+        "the model through Pyro (`compile=False`, the code before this path). "
+        "`hierarchical_logistic`: 400 simulated rows, 8 groups, 4 coefficients per group "
+        "(D = 40; `hierarchical_logistic_model` in this script).",
         "",
-        "| model | " + " | ".join(KERNEL_LOSSES) + " |",
-        "|---|" + "---:|" * len(KERNEL_LOSSES),
+        "| model | " + " | ".join(chosen) + " |",
+        "|---|" + "---:|" * len(chosen),
     ]
-    methods = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi")
 
     def cell(value, fmt):
         return "-" if value == float("inf") or value != value else format(value, fmt)
 
+    def get(losses, key):
+        return losses.get(key, float("inf"))
+
     for name, losses in rows:
-        lines.append(
-            f"| {name} | " + " | ".join(cell(losses[n], ".2f") for n in KERNEL_LOSSES) + " |"
-        )
+        lines.append(f"| {name} | " + " | ".join(cell(losses[n], ".2f") for n in chosen) + " |")
+    columns = [(m, b) for b in backends for m in methods]
     lines += [
         "",
-        "Speed-up of the traced path over Pyro traces (`-eager` / `-fx`), and each step "
-        "against AutoNormal's (`-fx` / autonormal; the goal is at most 1.0):",
+        "Speed-up over Pyro traces (`-eager` / `-fx`, `-eager` / `-inductor`), and each step "
+        "against AutoNormal's (the goal is at most 1.0):",
         "",
         "| model | "
-        + " | ".join(f"{m} speed-up" for m in methods)
+        + " | ".join(f"{m}-{b} speed-up" for m, b in columns)
         + " | "
-        + " | ".join(f"{m}-fx / autonormal" for m in methods)
+        + " | ".join(f"{m}-{b} / autonormal" for m, b in columns)
         + " |",
-        "|---|" + "---:|" * (2 * len(methods)),
+        "|---|" + "---:|" * (2 * len(columns)),
     ]
     for name, losses in rows:
         base = losses["autonormal"]
         lines.append(
             f"| {name} | "
-            + " | ".join(cell(losses[f"{m}-eager"] / losses[f"{m}-fx"], ".2f") for m in methods)
+            + " | ".join(
+                cell(get(losses, f"{m}-eager") / get(losses, f"{m}-{b}"), ".2f") for m, b in columns
+            )
             + " | "
-            + " | ".join(cell(losses[f"{m}-fx"] / base, ".2f") for m in methods)
+            + " | ".join(cell(get(losses, f"{m}-{b}") / base, ".2f") for m, b in columns)
             + " |"
         )
+    if "inductor" in backends:
+        lines += [
+            "",
+            "Compile time of `-inductor`, apart from the steps: the seconds `torch.compile` "
+            "took (first to last repeat; a repeat can reuse inductor's caches, as a user's "
+            "next fit in the same process or on the same machine does), and that cost as a "
+            f"share of a default fit ({DEFAULT_FIT_STEPS} steps at the `-inductor` step time "
+            "plus the five set-up steps, which also hold the preconditioner search; the "
+            "goal is below 10%). The first compile in a process also loads the compiler, "
+            "and is in the first model's first repeat.",
+            "",
+            "| model | " + " | ".join(f"{m} compile s | {m} share" for m in methods) + " |",
+            "|---|" + "---:|" * (2 * len(methods)),
+        ]
+        for name, losses in rows:
+            cells = []
+            for m in methods:
+                runs = setups[name].get(f"{m}-inductor")
+                if not runs:
+                    cells += ["-", "-"]
+                    continue
+                seconds = [c for _, c in runs]
+                shares = [
+                    100 * c / (s + DEFAULT_FIT_STEPS * get(losses, f"{m}-inductor") / 1000)
+                    for s, c in runs
+                ]
+                cells += [
+                    f"{seconds[0]:.2f} -> {seconds[-1]:.2f}",
+                    f"{shares[0]:.0f}% -> {shares[-1]:.0f}%",
+                ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += numpyro_lines(args, model_table, rows)
     text = "\n".join(lines) + "\n"
     print(text)
@@ -303,7 +403,7 @@ def numpyro_lines(args, model_table, rows):
     n = str(args.loss_particles)
     versions = ", ".join(f"{k} {v}" for k, v in measured["versions"].items())
     timed = {m for _, losses in rows for m, v in losses.items() if v < float("inf")}
-    fx = [m for m in KERNEL_LOSSES if m.endswith("-fx") and m in timed]
+    fx = [m for m in KERNEL_LOSSES if not m.endswith(("-eager", "autonormal")) and m in timed]
     lines = [
         "",
         f"NumPyro ({versions}) in the same run: `jax.jit(SVI.update)` of AutoNormal + "
@@ -354,8 +454,9 @@ def main(argv=None):
     )
     p.add_argument(
         "--losses",
-        default=",".join(KERNEL_LOSSES),
-        help="with --only-losses, which of them to time (autonormal always)",
+        default=",".join(DEFAULT_LOSSES),
+        help="with --only-losses, which of them to time (autonormal always): "
+        + ", ".join(KERNEL_LOSSES),
     )
     p.add_argument(
         "--numpyro-python",
@@ -408,7 +509,7 @@ def main(argv=None):
             for loss_name in LOSSES:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms = time_loss(
+                ms, _, _ = time_loss(
                     model,
                     margs,
                     mkwargs,
