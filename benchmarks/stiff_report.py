@@ -13,7 +13,8 @@ commit, so a table that mixes runs says so. The goal checks (the issue's):
   and the iid floor of the same number of draws) on every posterior;
 * each of our preconditioned methods at least as close to NUTS (max mean error, energy
   distance) as ``AutoMultivariateNormal``;
-* the time to that quality (the fit's seconds) at most 1/5 of NUTS's wall time.
+* the time to that quality at most 1/5 of NUTS's wall time: read for the best fit, and for
+  the quickest of our fits that is within 3x a floor (the goal's "that quality").
 """
 
 import argparse
@@ -57,15 +58,21 @@ def merge(paths):
     return merged, runs
 
 
+def _within(row):
+    """Within 3x NUTS's noise floor: the halves floor, or the iid floor of as many draws."""
+    return row["floor_ratio"] <= 3 or row["iid_floor_ratio"] <= 3
+
+
 def goals(record):
     lines = [
         "## The issue's goals",
         "",
         "| model | best of ours (+pre) | its mean err | x floor | x iid | "
-        "fit s / NUTS s | ours (+pre) no worse than AutoMVN |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "fit s / NUTS s | fastest of ours within 3x a floor | its fit s / NUTS s | "
+        "ours (+pre) no worse than AutoMVN |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|",
     ]
-    met_floor = met_mvn = met_time = 0
+    met_floor = met_mvn = met_time = met_fastest = 0
     for name, ref in record["references"].items():
         rows = [r for r in record["results"] if r["model"] == name and r["status"] == "ok"]
         ours = [r for r in rows if r["method"] in OURS and r["precondition"] is True]
@@ -73,10 +80,14 @@ def goals(record):
         if not ours:
             continue
         best = min(ours, key=lambda r: r["mean_error_max"])
-        within = best["floor_ratio"] <= 3 or best["iid_floor_ratio"] <= 3
-        met_floor += within
+        met_floor += _within(best)
         time_ratio = best["fit_seconds"] / ref["wall_time"]
         met_time += time_ratio <= 0.2
+        # "time to that quality": the quickest of our fits that reaches it
+        reached = [r for r in ours if _within(r)]
+        fastest = min(reached, key=lambda r: r["fit_seconds"]) if reached else None
+        fastest_ratio = fastest["fit_seconds"] / ref["wall_time"] if fastest else float("nan")
+        met_fastest += fastest is not None and fastest_ratio <= 0.2
         worse = []
         if mvn:
             m = mvn[0]
@@ -90,6 +101,7 @@ def goals(record):
         lines.append(
             f"| {name} | {best['method']} | {best['mean_error_max']:.3f} | "
             f"{best['floor_ratio']:.1f} | {best['iid_floor_ratio']:.1f} | {time_ratio:.2f} | "
+            f"{fastest['method'] if fastest else 'none'} | {fastest_ratio:.2f} | "
             f"{'yes' if not worse else 'no: ' + ', '.join(worse)} |"
         )
     total = len(record["references"])
@@ -97,7 +109,9 @@ def goals(record):
         "",
         f"Best of ours within 3x a noise floor: {met_floor} of {total}; every method of "
         f"ours no worse than AutoMVN (mean error and energy distance): {met_mvn} of "
-        f"{total}; the best fit in at most 1/5 of NUTS's time: {met_time} of {total}.",
+        f"{total}; the best fit in at most 1/5 of NUTS's time: {met_time} of {total}; "
+        f"the quality (within 3x a floor) reached in at most 1/5 of NUTS's time by one of "
+        f"our fits: {met_fastest} of {total}.",
         "",
     ]
     return lines
