@@ -193,6 +193,18 @@ def test_skip_generator_jacobian_is_eq_7():
     assert torch.allclose(jac, expected)
 
 
+@pytest.mark.parametrize("hidden_dims", [(5, 3), ()])
+def test_skip_generator_explicit_jacobian_matches_autograd(hidden_dims):
+    gen = SkipGenerator(4, active_dim=2, hidden_dims=hidden_dims, activation="tanh").double()
+    z = torch.randn(3, 4, dtype=torch.float64)
+    expected = torch.stack([torch.func.jacrev(gen)(row) for row in z])
+    assert torch.allclose(gen.jacobian(z), expected, atol=1e-12)
+    # and the exact solve built on it is J^{-T} v
+    v = torch.randn(3, 2, 4, dtype=torch.float64)
+    solved = exact_inverse_jvp(gen, z, v)
+    assert torch.allclose(expected.mT.unsqueeze(1) @ solved.unsqueeze(-1), v.unsqueeze(-1))
+
+
 def test_gpvi_generator_option_trains():
     guide = ImplicitGuide(gaussian_model, generator=gpvi_generator(hidden_dims=(8,)))
     loss = GPVI_ELBO(8, exact_jacobian=True)

@@ -2,6 +2,7 @@
 
 import math
 
+import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
@@ -257,6 +258,17 @@ class SkipGenerator(nn.Module):
 
     def forward(self, noise):
         return self.net(noise[..., : self.active_dim]) + self.skip_scale * noise
+
+    def jacobian(self, noise):
+        r"""Eq. 7's :math:`J_f` at every row of ``noise``, ``(..., D, D)``: g's layer-by-layer
+        Jacobian (:meth:`MLPGenerator.jacobian`) padded with zeros, plus
+        :math:`\lambda I`. Differentiable with respect to the parameters; GPVI's exact
+        solve and :func:`~pyro_implicit.elbo.livi.jacobian` use it instead of D
+        forward-mode products through the network."""
+        inner = self.net.jacobian(noise[..., : self.active_dim])  # (..., D, k)
+        jac = nn.functional.pad(inner, (0, self.noise_dim - self.active_dim))
+        eye = torch.eye(self.out_dim, dtype=jac.dtype, device=jac.device)
+        return jac + self.skip_scale * eye
 
     def init_output(self, loc, scale):
         """Centre the output at ``loc``; g's own spread is ``scale`` (the skip term adds
