@@ -29,15 +29,19 @@ from pyro_implicit.models import load_model
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 
 #: name -> WeightSpaceSVGD keyword arguments and optimiser (name, learning rate); the
-#: default is Adam(1e-2), 100 particles, the RBF kernel with Liu & Wang's bandwidth
+#: default is Adam(1e-2), 100 particles, the RBF kernel with the median distance as its
+#: length scale (the preconditioned default; "bandwidth x2" doubles it, "Liu & Wang
+#: bandwidth" is their h = med^2 / log N, a third of it at N = 100)
 VARIANTS = {
     "default": ({}, ("Adam", 1e-2)),
     "Adam 3e-3": ({}, ("Adam", 3e-3)),
     "SGD 0.1": ({}, ("SGD", 0.1)),
     "Adagrad 0.1": ({}, ("Adagrad", 0.1)),
     "N = 300": ({"num_particles": 300}, ("Adam", 1e-2)),
-    "bandwidth x2": (
-        {"kernel": RBFKernel(bandwidth_factor=2 * svgd_bandwidth_factor(100))},
+    "bandwidth x0.5": ({"kernel": RBFKernel(bandwidth_factor=0.5)}, ("Adam", 1e-2)),
+    "bandwidth x2": ({"kernel": RBFKernel(bandwidth_factor=2.0)}, ("Adam", 1e-2)),
+    "Liu & Wang bandwidth": (
+        {"kernel": RBFKernel(bandwidth_factor=svgd_bandwidth_factor(100))},
         ("Adam", 1e-2),
     ),
     "IMQ kernel": ({"kernel": IMQKernel()}, ("Adam", 1e-2)),
