@@ -21,6 +21,7 @@ from .errors import (
     ModelError,
     PairingError,
     PyroImplicitError,
+    RunawayWarning,
     UnsupportedPairError,
 )
 from .guides import (
@@ -43,6 +44,7 @@ __all__ = [
     "ModelError",
     "PairingError",
     "PyroImplicitError",
+    "RunawayWarning",
     "UnsupportedPairError",
     "contract",
     "errors",

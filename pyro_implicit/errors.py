@@ -22,6 +22,7 @@ __all__ = [
     "ModelError",
     "PairingError",
     "PyroImplicitError",
+    "RunawayWarning",
     "UnsupportedPairError",
     "VectorizationError",
 ]
@@ -58,3 +59,9 @@ class DivergenceError(PyroImplicitError, ValueError):
     """A fit has diverged: a non-finite loss, non-finite or exploding draws, or a model
     that fails at draws the fit has moved to. The message names the sites and what to
     try."""
+
+
+class RunawayWarning(UserWarning):
+    """A fit's draws have moved where its estimator is known to fail (e.g.
+    ``KernelRatioELBO``'s kernel ratio far from its contrast): the numbers may all be finite,
+    but the posterior should not be trusted. The message names what to use instead."""

@@ -499,3 +499,47 @@ def test_default_fit_recovers_from_a_too_narrow_start():
     assert ((draws.mean(0) - mean).abs() / sd).max() < 0.4
     ratio = draws.std(0) / sd
     assert 0.8 < ratio.min() and ratio.max() < 1.5
+
+
+def test_a_runaway_fit_warns_once():
+    """With the kernel term dropped the fit of the test above runs away (the exact term
+    E_q[-log r] pushes q off its contrast and nothing pushes back): the loss must say so,
+    once, and name the loss to use instead; the fit with the kernel term (above, under
+    warnings as errors) never warns."""
+    import sys
+    import warnings
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pyro.infer import SVI
+    from test_stein_score import _regression
+
+    from pyro_implicit import ImplicitGuide, RunawayWarning
+    from pyro_implicit.elbo.kernel_ratio import RUNAWAY_DRIFT
+
+    class WithoutKernelTerm(KernelRatioELBO):
+        def _whitened_kl(self, z):
+            kl, info = super()._whitened_kl(z)
+            return 0.0 * kl, info
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, args, _, _ = _regression()
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = ImplicitGuide(model, init_scale=0.3)
+        loss = WithoutKernelTerm()
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
+        with pytest.warns(RunawayWarning, match="SteinScoreELBO") as caught:
+            for _ in range(1000):
+                svi.step(*args)
+                if loss.diagnostics["beta"]["drift"] > 2 * RUNAWAY_DRIFT:
+                    break
+        assert len([w for w in caught if w.category is RunawayWarning]) == 1
+        assert loss.diagnostics["beta"]["drift"] > RUNAWAY_DRIFT
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RunawayWarning)
+            svi.step(*args)  # once per loss: no second warning
+    finally:
+        torch.set_default_dtype(dtype)

@@ -30,7 +30,7 @@ from pyro.infer.inspect import get_dependencies
 
 from ..compiled import BACKENDS
 from ..contract import SAMPLE
-from ..errors import UnsupportedPairError
+from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, squared_distances
 from ..latent import LatentSpace, preconditioner_of
@@ -44,7 +44,15 @@ from .base import (
     unconstrained_particles,
 )
 
-__all__ = ["KernelRatioELBO", "kernel_log_ratio", "kernel_kl"]
+__all__ = ["RUNAWAY_DRIFT", "KernelRatioELBO", "kernel_log_ratio", "kernel_kl"]
+
+#: how far (in the preconditioner's sds, largest over coordinates) the mean of q's whitened
+#: draws may move from the preconditioner's mean before :class:`KernelRatioELBO` warns that
+#: its kernel ratio has run away. On the stiff benchmark the fits of four other methods
+#: ended at most 8.6 away (the centred eight schools, whose Gaussian fit is furthest from
+#: the posterior), and every kernel-ratio fit that went past 12 ended far off or diverged
+#: (``benchmarks/results/kivi_drift.md``).
+RUNAWAY_DRIFT = 12.0
 
 
 def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=None):
@@ -202,7 +210,10 @@ class KernelRatioELBO(ImplicitELBO):
         number finite; at 0.02 none did (largest error 0.99 sd;
         ``benchmarks/results/kivi_runaway.md``). :class:`~pyro_implicit.SteinScoreELBO`
         has neither failure. Whatever the rate, a step on which more than half the ratios
-        were clipped (q has left r) re-anchors r at q's moments.
+        were clipped (q has left r) re-anchors r at q's moments. A fit whose draws move
+        :data:`RUNAWAY_DRIFT` of the preconditioner's sds from its mean gets a
+        :class:`~pyro_implicit.RunawayWarning` (once; ``diagnostics[group]["drift"]``
+        holds the distance every step).
     :param exact_sites: names of latent sites whose guide has a density, such as the
         explicit Gamma q of a noise precision in KIVI's UCI models (App. E), composed with
         an implicit guide through Pyro's ``AutoGuideList`` (a hand-written guide or any of
@@ -314,6 +325,8 @@ class KernelRatioELBO(ImplicitELBO):
         self._contrast_moments = {}
         self._saturated = {}
         self._last_contrast_key = None
+        self._last_drift = None
+        self._warned_runaway = False
 
     def _groups(self, guide, names, links):
         """Groups of the kernel-estimated sites: the guide's factorisation, coarsened so
@@ -396,6 +409,8 @@ class KernelRatioELBO(ImplicitELBO):
         rate = 1.0 if self._saturated.get(key, False) else self.contrast_rate
         self._last_contrast_key = key
         batch_mean = z.mean(0)
+        # how far q has moved from where it started (the preconditioner's Gaussian)
+        self._last_drift = batch_mean.abs().max().item()
         centred = z - batch_mean
         batch_cov = centred.T @ centred / max(z.shape[0] - 1, 1)
         # shrunk towards its diagonal, so it stays well conditioned (as _fit_contrast)
@@ -538,7 +553,28 @@ class KernelRatioELBO(ImplicitELBO):
         kl, info = self._whitened_kl(_whiten(contrast, q))
         if ac == "preconditioner":
             self._saturated[key] = info["clipped_fraction"] > 0.5
+            info["drift"] = self._last_drift
+            self._check_runaway(self._last_drift)
         return -log_r.mean() - kl, kl, info
+
+    def _check_runaway(self, drift):
+        """Warn once when q's draws have moved :data:`RUNAWAY_DRIFT` preconditioner sds from
+        where they started: the sign of the kernel ratio's runaway, which ends far off with
+        every number finite (``benchmarks/results/kivi_runaway.md``)."""
+        if drift <= RUNAWAY_DRIFT or self._warned_runaway:
+            return
+        self._warned_runaway = True
+        warnings.warn(
+            f"KernelRatioELBO: the mean of q's draws has moved {drift:.0f} of the "
+            "preconditioner's sds from the preconditioner's mean; posteriors sit within "
+            f"{RUNAWAY_DRIFT:.0f} of them, so the kernel ratio has most likely run away (its "
+            "known failure on stiff posteriors) and this fit should not be trusted. Train the "
+            "same guide with SteinScoreELBO(), or use KernelRatioELBO(contrast_rate=0.02), "
+            "whose contrast follows q (see the README's 'Choosing KernelRatioELBO's "
+            "settings').",
+            RunawayWarning,
+            stacklevel=5,
+        )
 
     def _fast_plan(
         self, model_trace, guide_trace, guide, args, kwargs, latents, names, exact_sites, groups, ac
