@@ -559,19 +559,20 @@ class KernelRatioELBO(ImplicitELBO):
 
     def _check_runaway(self, drift):
         """Warn once when q's draws have moved :data:`RUNAWAY_DRIFT` preconditioner sds from
-        where they started: the sign of the kernel ratio's runaway, which ends far off with
-        every number finite (``benchmarks/results/kivi_runaway.md``)."""
+        where they started: the sign of the kernel ratio's runaway, which mostly ends far
+        off with every number finite (``benchmarks/results/kivi_runaway.md``,
+        ``kivi_drift.md``)."""
         if drift <= RUNAWAY_DRIFT or self._warned_runaway:
             return
         self._warned_runaway = True
         warnings.warn(
             f"KernelRatioELBO: the mean of q's draws has moved {drift:.0f} of the "
-            "preconditioner's sds from the preconditioner's mean; posteriors sit within "
-            f"{RUNAWAY_DRIFT:.0f} of them, so the kernel ratio has most likely run away (its "
-            "known failure on stiff posteriors) and this fit should not be trusted. Train the "
-            "same guide with SteinScoreELBO(), or use KernelRatioELBO(contrast_rate=0.02), "
-            "whose contrast follows q (see the README's 'Choosing KernelRatioELBO's "
-            "settings').",
+            "preconditioner's sds from the preconditioner's mean, where posteriors sit within "
+            f"{RUNAWAY_DRIFT:.0f}: the kernel ratio is running away (its known failure on "
+            "stiff posteriors). Most such fits end far off, some come back; check this one "
+            "(diagnostics[...]['drift'] at the end) before trusting it, or train the same "
+            "guide with SteinScoreELBO(), or use KernelRatioELBO(contrast_rate=0.02), whose "
+            "contrast follows q (the README's 'Choosing KernelRatioELBO's settings').",
             RunawayWarning,
             stacklevel=5,
         )
