@@ -42,9 +42,12 @@ EVERY = 50
 
 
 def drift(guide, num=200):
-    """Largest coordinate of the mean of ``num`` whitened draws of ``guide``."""
+    """Largest coordinate of the mean of ``num`` whitened draws of ``guide``; the random
+    streams are restored after, so the fit draws what it would unmeasured."""
+    rng = pyro.util.get_rng_state()
     with torch.no_grad():
         z = guide.preconditioner.whiten(guide.sample_unconstrained(num))
+    pyro.util.set_rng_state(rng)
     return z.mean(0).abs().max().item()
 
 
