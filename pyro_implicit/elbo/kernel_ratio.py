@@ -566,7 +566,7 @@ class KernelRatioELBO(ImplicitELBO):
             return
         self._warned_runaway = True
         warnings.warn(
-            f"KernelRatioELBO: the mean of q's draws has moved {drift:.0f} of the "
+            f"KernelRatioELBO: the mean of q's draws has moved {drift:.1f} of the "
             "preconditioner's sds from the preconditioner's mean, where posteriors sit within "
             f"{RUNAWAY_DRIFT:.0f}: the kernel ratio is running away (its known failure on "
             "stiff posteriors). Most such fits end far off, some come back; check this one "
