@@ -10,6 +10,9 @@
 * :class:`DivergenceError`: a fit that has diverged (not a bad input: a run that went
   wrong).
 
+One warning lives here too: :class:`RunawayWarning`, a fit whose estimator has left the
+region where it is accurate (every number finite, the posterior not to be trusted).
+
 Each is also the built-in exception these problems raised before it existed
 (``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
 ``NotImplementedError``), so ``except ValueError`` and ``pytest.raises(TypeError)`` keep
