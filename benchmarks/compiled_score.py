@@ -31,6 +31,7 @@ from pathlib import Path
 import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import torch
 
 from pyro_implicit.compiled import CompiledLogDensity
@@ -132,14 +133,9 @@ def time_svgd(model, args, kwargs, mpn, compile, particles, steps, seed):
     return 1000 * (time.perf_counter() - start) / steps, setup
 
 
-def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
-    """``(ms per SVI step after 5 warm-up steps, seconds of those 5 steps, seconds of them
-    spent in torch.compile)`` of ``name``:
-    ``"autonormal"`` (AutoNormal + Trace_ELBO, vectorised particles), or
-    ``"METHOD-BACKEND"`` with METHOD one of kivi, stein, asvgd, gpvi, sivi, livi and
-    BACKEND ``eager`` (``compile=False``), ``fx`` or ``inductor``. The warm-up holds the
-    set-up: preconditioner search, vectorisation check, trace, compile."""
-    from pyro.infer import SVI, Trace_ELBO
+def _loss_pair(model, mpn, name, particles):
+    """``(guide, loss)`` of loss ``name`` (see :func:`time_loss`)."""
+    from pyro.infer import Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
 
     from pyro_implicit import (
@@ -155,8 +151,6 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     )
     from pyro_implicit.guides import gpvi_generator
 
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
     if name == "autonormal":
         guide = AutoNormal(model)
         loss = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=mpn)
@@ -183,6 +177,21 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
             loss = AmortizedSVGD_ELBO(
                 num_particles=particles, max_plate_nesting=mpn, compile=compile
             )
+    return guide, loss
+
+
+def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
+    """``(ms per SVI step after 5 warm-up steps, seconds of those 5 steps, seconds of them
+    spent in torch.compile)`` of ``name``:
+    ``"autonormal"`` (AutoNormal + Trace_ELBO, vectorised particles), or
+    ``"METHOD-BACKEND"`` with METHOD one of kivi, stein, asvgd, gpvi, sivi, livi and
+    BACKEND ``eager`` (``compile=False``), ``fx`` or ``inductor``. The warm-up holds the
+    set-up: preconditioner search, vectorisation check, trace, compile."""
+    from pyro.infer import SVI
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide, loss = _loss_pair(model, mpn, name, particles)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
     start = time.perf_counter()
     with _recording_graphs() as graphs:
@@ -433,6 +442,61 @@ def numpyro_lines(args, model_table, rows):
     return lines
 
 
+def optimizer_floor(model, args, kwargs, mpn, name, particles, calls, seed):
+    """``(ms per SVI step, ms per optimiser call, parameter tensors)`` of loss ``name`` (as
+    :func:`time_loss`): the optimiser call is ``pyro.optim.Adam`` stepping the parameters
+    an SVI step updates, with their last gradients, alone; Pyro keeps one torch optimiser
+    per tensor."""
+    from pyro.infer import SVI
+
+    step_ms, _, _ = time_loss(model, args, kwargs, mpn, name, particles, calls, seed)
+    # time_loss leaves its guide's parameters in the store; rebuild the step to reach them
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide, loss = _loss_pair(model, mpn, name, particles)
+    optim = pyro.optim.Adam({"lr": 1e-3})
+    svi = SVI(model, guide, optim, loss)
+    for _ in range(5):
+        svi.step(*args, **kwargs)
+    with poutine.trace(param_only=True) as tr:
+        loss.loss_and_grads(model, guide, *args, **kwargs)
+    params = [site["value"].unconstrained() for site in tr.trace.nodes.values()]
+    start = time.perf_counter()
+    for _ in range(calls):
+        optim(params)
+    return step_ms, 1000 * (time.perf_counter() - start) / calls, len(params)
+
+
+def main_optimizer_floor(args, command, commit):
+    """``--optimizer-floor``: how much of each step Pyro's per-tensor optimiser takes."""
+    lines = [
+        "# Pyro's optimiser in a step",
+        "",
+        f"`{command}` (commit {commit}, {datetime.date.today()}), float32, {args.threads} "
+        f"thread(s), {args.loss_particles} vectorised particles. Step: ms per SVI step "
+        f"(as `--only-losses`, {args.calls // 2} steps after 5); optimiser: ms per call of "
+        "`pyro.optim.Adam` on the parameter tensors the step updates, with their last "
+        f"gradients ({args.calls} calls); Pyro keeps one torch optimiser per tensor.",
+        "",
+        "| model | loss | tensors | step ms | optimiser ms | optimiser share |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, (model, margs, mkwargs, mpn) in models().items():
+        for loss_name in args.losses.split(","):
+            step, opt, count = optimizer_floor(
+                model, margs, mkwargs, mpn, loss_name, args.loss_particles, args.calls, args.seed
+            )
+            lines.append(
+                f"| {name} | {loss_name} | {count} | {step:.2f} | {opt:.3f} | "
+                f"{100 * opt / step:.0f}% |"
+            )
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--particles", type=int, default=100)
@@ -459,6 +523,11 @@ def main(argv=None):
         + ", ".join(KERNEL_LOSSES),
     )
     p.add_argument(
+        "--optimizer-floor",
+        action="store_true",
+        help="time Pyro's optimiser call alone against the whole step, for --losses",
+    )
+    p.add_argument(
         "--numpyro-python",
         help="with --only-losses, an interpreter with JAX and NumPyro: time NumPyro's "
         "jitted AutoNormal step on the same models in the same run",
@@ -474,6 +543,8 @@ def main(argv=None):
         text=True,
         cwd=Path(__file__).parent,
     ).stdout.strip()
+    if args.optimizer_floor:
+        return main_optimizer_floor(args, command, commit)
     if args.only_losses:
         return main_losses(args, command, commit)
     rows = []
