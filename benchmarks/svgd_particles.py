@@ -1,7 +1,7 @@
 """Weight-space SVGD's accuracy on the stiff posteriors against its particle count.
 
 ``compare``'s ``wsvgd`` (``WeightSpaceSVGD``, preconditioned, ``Adam(1e-2)``, 2000 steps,
-as ``benchmarks/stiff.py`` runs it) with N particles instead of the registry's 100, scored
+as ``benchmarks/stiff.py`` runs it) with N particles instead of the registry's, scored
 against the same NUTS references. SVGD's particles lose spread as the dimension D grows
 against N (the variance collapse of SVGD in moderate dimensions); this measures where that
 costs accuracy on posteriors users bring.
@@ -48,19 +48,19 @@ def main(argv=None):
         "| model | D | " + " | ".join(f"N = {n}" for n in counts) + " |",
         "|---|---:|" + "---|" * len(counts),
     ]
-    default = methods.NUM_PARTICLES
+    default = methods.WSVGD_PARTICLES
     for name in args.models.split(","):
         reference, _ = stiff.load_reference(name)
         cells = []
         for n in counts:
             # the registry's particle count, which its wsvgd builder reads
-            methods.NUM_PARTICLES = n
+            methods.WSVGD_PARTICLES = n
             try:
                 row = stiff.fit_one(
                     name, "wsvgd", True, args.steps, args.seed, 2000, 1e-2, reference
                 )
             finally:
-                methods.NUM_PARTICLES = default
+                methods.WSVGD_PARTICLES = default
             if row["status"] != "ok":
                 cells.append(row["status"])
                 continue

@@ -21,7 +21,7 @@ from pyro_implicit.particles import (
     WeightSpaceSVGD,
     stein_direction,
 )
-from pyro_implicit.particles.svgd import GFSF_JITTER
+from pyro_implicit.particles.svgd import GFSF_JITTER, auto_num_particles
 
 # ----------------------------------------------------------------------------- directions
 
@@ -166,6 +166,43 @@ def test_weight_space_recovers_independent_scales():
     assert 0.8 < p["a"].std() < 1.2
     assert 0.08 < p["b"].std() < 0.12
     assert abs(p["a"].mean()) < 0.1 and abs(p["b"].mean()) < 0.01
+
+
+def _gaussian_of_dim(dim):
+    def model():
+        pyro.sample("x", dist.Normal(torch.zeros(dim), 1.0).to_event(1))
+
+    return model
+
+
+@pytest.mark.parametrize("dim, expected", [(2, 100), (15, 150), (33, 300), (200, 300)])
+def test_auto_particle_count_follows_the_latent_size(dim, expected):
+    svgd = WeightSpaceSVGD(_gaussian_of_dim(dim), pyro.optim.Adam({"lr": 1e-2}))
+    svgd.step()
+    assert svgd.num_particles == expected == auto_num_particles(dim)
+    assert svgd.particles.shape == (expected, dim)
+    # the raw space's default kernel counts the particles it ends with
+    raw = WeightSpaceSVGD(_gaussian_of_dim(dim), pyro.optim.Adam({"lr": 1e-2}), precondition=False)
+    raw.step()
+    assert raw.kernel.bandwidth_factor == pytest.approx(svgd_bandwidth_factor(expected))
+
+
+def test_auto_particle_count_defers_to_a_start_a_checkpoint_and_refuses_a_layout():
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    start = torch.zeros(7, 3)
+    svgd = WeightSpaceSVGD(_gaussian_of_dim(3), optim, init_particles=start, precondition=False)
+    svgd.step()
+    assert svgd.num_particles == 7
+    state = svgd.state_dict()
+    resumed = WeightSpaceSVGD(_gaussian_of_dim(3), optim, precondition=False)
+    resumed.load_state_dict(state)
+    resumed.step()
+    assert resumed.num_particles == 7
+    assert resumed.kernel.bandwidth_factor == pytest.approx(svgd_bandwidth_factor(7))
+    with pytest.raises(ValueError, match="num_particles=N"):
+        WeightSpaceSVGD(_gaussian_of_dim(3), optim, layout="replicated")
+    with pytest.raises(ValueError, match="'auto'"):
+        WeightSpaceSVGD(_gaussian_of_dim(3), optim, num_particles="many")
 
 
 def test_weight_space_one_particle_is_gradient_ascent():

@@ -152,8 +152,11 @@ def _autoguide_builder(cls):
     return build
 
 
-#: particles of the two SVGD methods
+#: particles of Pyro's SVGD
 NUM_PARTICLES = 100
+#: particles of ``wsvgd``: WeightSpaceSVGD's own default, ten per latent dimension within
+#: 100-300 (:func:`~pyro_implicit.particles.svgd.auto_num_particles`)
+WSVGD_PARTICLES = "auto"
 
 
 def _build_pyro_svgd(model, mpn, optim, precondition=True):
@@ -169,7 +172,7 @@ def _build_pyro_svgd(model, mpn, optim, precondition=True):
 
 # fmt: off
 def _build_wsvgd(model, mpn, optim, precondition=True):
-    return WeightSpaceSVGD(model, optim, num_particles=NUM_PARTICLES, max_plate_nesting=mpn,
+    return WeightSpaceSVGD(model, optim, num_particles=WSVGD_PARTICLES, max_plate_nesting=mpn,
                            precondition=precondition)
 # fmt: on
 
@@ -271,8 +274,8 @@ _REGISTRY = (
         settings={"num_particles": NUM_PARTICLES, "mode": "multivariate"},
     ),
     Method(
-        f"WeightSpaceSVGD(num_particles={NUM_PARTICLES}), particle-major SVGD, RBF kernel with "
-        "the median distance as length scale",
+        f"WeightSpaceSVGD(num_particles={WSVGD_PARTICLES!r}: 10 per latent dimension within "
+        "100-300), particle-major SVGD, RBF kernel with the median distance as length scale",
         5e-2,
         _build_wsvgd,
         kind="particles",
@@ -280,7 +283,7 @@ _REGISTRY = (
         paper="SVGD: Liu & Wang, NeurIPS 2016; f-POVI Table 1",
         name="wsvgd",
         guide="WeightSpaceSVGD",
-        settings={"num_particles": NUM_PARTICLES},
+        settings={"num_particles": WSVGD_PARTICLES},
     ),
 )
 
