@@ -945,9 +945,9 @@ class WeightSpaceSVGD(ParticleInference):
         layout=None,
         group=None,
     ):
-        #: the count is chosen from the latent size on the first step
-        self._auto_particles = isinstance(num_particles, str)
-        if self._auto_particles:
+        #: the count is still to be chosen from the latent size (on the first step)
+        self._auto_particles = False
+        if isinstance(num_particles, str):
             if num_particles != "auto":
                 raise ValueError(
                     f"num_particles must be a positive int or 'auto', got {num_particles!r}"
@@ -957,9 +957,9 @@ class WeightSpaceSVGD(ParticleInference):
                     "a layout across processes needs the particle count up front: pass "
                     "num_particles=N (e.g. auto_num_particles(D)) with layout="
                 )
-            # a placeholder until the first step knows D (or the start's own count)
-            num_particles = _count_of(init_particles) or AUTO_PARTICLES[0]
-            self._auto_particles = _count_of(init_particles) is None
+            start = _count_of(init_particles)  # a start fixes the count
+            self._auto_particles = start is None
+            num_particles = start or AUTO_PARTICLES[0]  # a placeholder until then
         super().__init__(
             model,
             optim,
@@ -979,20 +979,21 @@ class WeightSpaceSVGD(ParticleInference):
         # the default kernel of the raw space counts the particles (Liu & Wang's rule)
         self._count_kernel = kernel is None and (precondition is False or precondition is None)
 
+    def _choose_count(self, num_particles):
+        """Fix the ``"auto"`` particle count (and the default kernel that counts them)."""
+        self.num_particles = int(num_particles)
+        self._auto_particles = False
+        if self._count_kernel:
+            self.kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
+
     def _setup_space(self, args, kwargs):
         super()._setup_space(args, kwargs)
         if self._auto_particles:
-            self.num_particles = auto_num_particles(self.latent_dim)
-            if self._count_kernel:
-                self.kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
+            self._choose_count(auto_num_particles(self.latent_dim))
 
     def load_state_dict(self, state):
         if self._auto_particles and state.get("type") == type(self).__name__:
-            # the checkpoint says how many
-            self.num_particles = int(state["num_particles"])
-            self._auto_particles = False
-            if self._count_kernel:
-                self.kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
+            self._choose_count(state["num_particles"])  # the checkpoint says how many
         super().load_state_dict(state)
 
     load_state_dict.__doc__ = ParticleInference.load_state_dict.__doc__
