@@ -32,6 +32,7 @@ __all__ = [
     "provenance",
     "utc_now",
     "versions",
+    "write_result",
 ]
 
 
@@ -106,3 +107,10 @@ def provenance(script, argv=None, settings=None):
         "settings": {} if settings is None else dict(settings),
         "versions": versions(),
     }
+
+
+def write_result(text, out=None):
+    """Print a run's Markdown result and, with ``out``, write it to that file."""
+    print(text)
+    if out:
+        Path(out).write_text(text)

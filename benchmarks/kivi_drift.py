@@ -183,8 +183,7 @@ def report(paths, markdown):
         )
         + ".",
     ]
-    Path(markdown).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _provenance.write_result("\n".join(lines) + "\n", markdown)
 
 
 def main(argv=None):

@@ -11,12 +11,12 @@ from 4000 draws of the guide.
 """
 
 import argparse
-from pathlib import Path
 
 import _provenance
 import pyro
 import torch
-from pyro.infer import MCMC, NUTS, SVI
+from pyro.infer import SVI
+from svgd_tail import nuts_reference
 
 from pyro_implicit import ImplicitGuide, SteinScoreELBO
 from pyro_implicit.models import load_model
@@ -47,10 +47,7 @@ def main(argv=None):
     torch.set_default_dtype(torch.float64)
     prov = _provenance.provenance(__file__, argv, vars(args))
     model = load_model("eight_schools")
-    pyro.set_rng_seed(args.seed)
-    mcmc = MCMC(NUTS(model.model, target_accept_prob=0.9), 4000, 2000, disable_progbar=True)
-    mcmc.run(*model.args)
-    ref = mcmc.get_samples()["tau"]
+    ref = nuts_reference(model.model, model.args, 4000, args.seed)["tau"]
     lines = [
         "# SteinScoreELBO's tau on eight schools: training length and schedule",
         "",
@@ -73,10 +70,7 @@ def main(argv=None):
             tau = guide.sample_posterior(4000)["tau"].reshape(-1)
             lines.append(row(label, steps, tau, ref))
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ costs accuracy on posteriors users bring.
 """
 
 import argparse
-from pathlib import Path
 
 import _provenance
 import stiff
@@ -71,10 +70,7 @@ def main(argv=None):
             )
         lines.append(f"| {name} | {dimension(name)} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

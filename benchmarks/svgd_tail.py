@@ -15,7 +15,6 @@ neck's width (the conditional sd of ``theta_tilde``) and the kernel's length sca
 
 import argparse
 import time
-from pathlib import Path
 
 import _provenance
 import pyro
@@ -50,6 +49,8 @@ VARIANTS = {
 
 
 def nuts_reference(model, args, draws, seed):
+    """One NUTS chain of ``draws`` draws after ``draws // 2`` warm-up (target acceptance
+    0.9), seeded: the reference of this script and of ``stein_tail.py``."""
     pyro.set_rng_seed(seed)
     mcmc = MCMC(
         NUTS(model, target_accept_prob=0.9),
@@ -161,10 +162,7 @@ def main(argv=None):
             default = svgd
     lines += ["", f"The default fit after {checkpoints[-1]} steps:", ""]
     lines += outlier_lines(default, model.args)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

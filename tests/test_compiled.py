@@ -127,14 +127,19 @@ def _fit_losses(
     return losses, params, loss
 
 
+def _eight_schools():
+    """``(model, args, kwargs, max_plate_nesting)`` of eight schools."""
+    m = load_model("eight_schools")
+    return m.model, m.args, m.kwargs, m.max_plate_nesting
+
+
 def _eight_schools_and_subsampled():
     """``(model, args, kwargs, max_plate_nesting)`` of eight schools and of a subsampled
     model (a fresh minibatch every step)."""
-    m = load_model("eight_schools")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 2, generator=g), torch.randn(40, generator=g)
     return [
-        (m.model, m.args, m.kwargs, m.max_plate_nesting),
+        _eight_schools(),
         (subsampled, (x, y), {"subsample_size": 10}, 1),
     ]
 
@@ -172,17 +177,9 @@ def test_kernel_losses_traced_path_matches_the_pyro_traces():
 def test_kernel_losses_keep_pyro_traces_where_the_graph_does_not_apply():
     from pyro_implicit import KernelRatioELBO
 
-    m = load_model("eight_schools")
     # the prior as contrast needs prior draws from a model run: no plan
     _, _, loss = _fit_losses(
-        KernelRatioELBO,
-        "fx",
-        m.model,
-        m.args,
-        m.kwargs,
-        m.max_plate_nesting,
-        steps=2,
-        adaptive_contrast=False,
+        KernelRatioELBO, "fx", *_eight_schools(), steps=2, adaptive_contrast=False
     )
     assert list(loss._fast_plans.values()) == [None]
 
@@ -237,8 +234,6 @@ def test_sivi_keeps_pyro_traces_for_guide_lists():
 
     from pyro_implicit import SIVI_ELBO, SemiImplicitGuide
 
-    m = load_model("eight_schools")
-
     def guide_list(model):
         guides = AutoGuideList(model)
         guides.append(SemiImplicitGuide(model))
@@ -247,10 +242,7 @@ def test_sivi_keeps_pyro_traces_for_guide_lists():
     _, _, loss = _fit_losses(
         SIVI_ELBO,
         "fx",
-        m.model,
-        m.args,
-        m.kwargs,
-        m.max_plate_nesting,
+        *_eight_schools(),
         steps=2,
         guide_cls=guide_list,
         num_particles=4,
