@@ -37,6 +37,7 @@ References
 import collections
 import math
 import warnings
+import weakref
 
 import pyro
 import pyro.poutine as poutine
@@ -524,13 +525,42 @@ class Preconditioner(nn.Module):
         if self.kind == "identity":
             return z
         if self.kind == "dense":
-            return self.loc + z @ self.scale_tril.T
+            u = self.loc + z @ self.scale_tril.T
+            # the guides whiten their own draws again to score them (a triangular solve
+            # forward and back, a quarter of a BNN step): remember which z made this u
+            self._last_unwhitened = (weakref.ref(u), u._version, z, z._version) + (
+                self._state_versions(),
+            )
+            return u
         return self.loc + z * self.scale
 
+    def _state_versions(self):
+        return (id(self.loc), self.loc._version, id(self.scale_tril), self.scale_tril._version)
+
+    def __getstate__(self):
+        # the remembered draw is a cache of one step's tensors, not state
+        state = super().__getstate__()
+        state.pop("_last_unwhitened", None)
+        return state
+
     def whiten(self, u):
-        """:math:`z = L^{-1}(u - m)` over the last dim of ``u`` (any leading shape)."""
+        """:math:`z = L^{-1}(u - m)` over the last dim of ``u`` (any leading shape).
+
+        For the ``u`` most recently returned by :meth:`unwhiten` (unchanged since, as are
+        ``m`` and ``L``) this is the ``z`` it was made from: the same value and, since
+        ``whiten`` undoes ``unwhiten``, the same gradient, without the solve."""
         if self.kind == "identity":
             return u
+        last = getattr(self, "_last_unwhitened", None)
+        if last is not None:
+            ref, u_version, z, z_version, versions = last
+            if (
+                ref() is u
+                and u._version == u_version
+                and z._version == z_version
+                and versions == self._state_versions()
+            ):
+                return z
         centred = u - self.loc
         if self.kind == "dense":
             flat = centred.reshape(-1, centred.shape[-1]).T

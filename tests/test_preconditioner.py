@@ -1,5 +1,6 @@
 """The packed latent space and its automatic preconditioner, against closed forms."""
 
+import copy
 import math
 
 import pyro
@@ -112,6 +113,7 @@ def test_preconditioner_round_trip_and_log_det(kind):
     z = torch.randn(3, 2, 4, generator=gen)
     u = pre.unwhiten(z)
     torch.testing.assert_close(u, loc + z @ matrix.T)
+    torch.testing.assert_close(pre.whiten(u.clone()), z)  # a u it did not make: solved
     torch.testing.assert_close(pre.whiten(u), z)
     assert float(pre.log_abs_det()) == pytest.approx(torch.linalg.slogdet(matrix)[1].item())
     s = torch.randn(5, 4, generator=gen)
@@ -120,6 +122,37 @@ def test_preconditioner_round_trip_and_log_det(kind):
     marginal = pre.marginal(torch.tensor([2, 0]))
     cov = matrix @ matrix.T
     torch.testing.assert_close(marginal.covariance(), cov[[2, 0]][:, [2, 0]])
+
+
+def test_whitening_its_own_draw_gives_back_z_and_its_gradient():
+    gen = torch.Generator().manual_seed(2)
+    tril = torch.randn(5, 5, generator=gen).tril(-1) + torch.diag(
+        torch.rand(5, generator=gen) + 0.5
+    )
+    pre = Preconditioner(torch.randn(5, generator=gen), scale_tril=tril)
+    w = torch.randn(5, 5, generator=gen, requires_grad=True)
+    noise = torch.randn(7, 5, generator=gen)
+
+    def loss(whiten_input):
+        return (whiten_input(pre.unwhiten(noise @ w)).sin() * noise).sum()
+
+    (solved,) = torch.autograd.grad(loss(lambda u: pre.whiten(u.clone())), w)
+    (remembered,) = torch.autograd.grad(loss(pre.whiten), w)
+    torch.testing.assert_close(remembered, solved)
+    # not reused once u, m or L changed in place, or for another u
+    z = torch.randn(4, 5, generator=gen)
+    u = pre.unwhiten(z)
+    u.add_(1.0)
+    torch.testing.assert_close(pre.whiten(u), z + torch.linalg.solve(tril, torch.ones(5)))
+    u = pre.unwhiten(z)
+    pre.scale_tril.mul_(2.0)
+    torch.testing.assert_close(pre.whiten(u), z / 2)
+    other = pre.unwhiten(z)
+    pre.unwhiten(torch.zeros_like(z))
+    torch.testing.assert_close(pre.whiten(other), z)
+    # a copy of the module leaves the remembered draw behind
+    pre.unwhiten(z.requires_grad_(True) * 2)
+    assert not hasattr(copy.deepcopy(pre), "_last_unwhitened")
 
 
 def test_identity_preconditioner_is_a_no_op():
