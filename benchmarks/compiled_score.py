@@ -281,7 +281,13 @@ def main_losses(args, command, commit):
     if "autonormal" not in chosen:
         chosen.insert(0, "autonormal")
     rows, setups = [], {}
-    model_table = models()
+    model_table = all_models = models()
+    if args.models:
+        wanted = [n.strip() for n in args.models.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - set(model_table))
+        if unknown:
+            raise SystemExit(f"unknown --models {unknown}; choose from {', '.join(model_table)}")
+        model_table = {n: all_models[n] for n in wanted}
     for name, (model, margs, mkwargs, mpn) in model_table.items():
         losses = {n: float("inf") for n in chosen}
         setups[name] = {n: [] for n in chosen}
@@ -392,7 +398,7 @@ def main_losses(args, command, commit):
                     f"{shares[0]:.0f}% -> {shares[-1]:.0f}%",
                 ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += numpyro_lines(args, model_table, rows)
+    lines += numpyro_lines(args, all_models, rows)  # NumPyro's script reads them all
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
@@ -521,6 +527,10 @@ def main(argv=None):
         default=",".join(DEFAULT_LOSSES),
         help="with --only-losses, which of them to time (autonormal always): "
         + ", ".join(KERNEL_LOSSES),
+    )
+    p.add_argument(
+        "--models",
+        help="with --only-losses, which models to time (comma-separated; default: all)",
     )
     p.add_argument(
         "--optimizer-floor",
