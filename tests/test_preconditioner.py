@@ -251,6 +251,19 @@ def test_user_preconditioner_and_switch_off():
         ImplicitGuide(model, precondition="laplace")
 
 
+@pytest.mark.parametrize("guide_class", [ImplicitGuide, SemiImplicitGuide, LinearizedGuide])
+def test_whitened_draws_are_the_unconstrained_draws_before_the_preconditioner(guide_class):
+    model, args, _, _ = raw_blr()
+    guide = guide_class(model)
+    guide(*args)
+    pyro.set_rng_seed(3)
+    u = guide.sample_unconstrained(5)
+    pyro.set_rng_seed(3)
+    z = guide.sample_whitened(5)
+    torch.testing.assert_close(guide.preconditioner.unwhiten(z), u)
+    assert not torch.allclose(z, u)  # the raw predictors' posterior is far from N(0, I)
+
+
 @pytest.mark.parametrize("guide_class", [ImplicitGuide, SemiImplicitGuide])
 def test_guides_start_at_the_preconditioners_gaussian(guide_class):
     model, args, mean, cov = raw_blr()

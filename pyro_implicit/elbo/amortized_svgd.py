@@ -74,7 +74,7 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
         rows = pre.whiten(draws.latent)
         u_score = rows.detach()
         if self.independent_batches:
-            outputs = pre.whiten(guide.sample_unconstrained(n))
+            outputs = guide.sample_whitened(n)
         else:
             outputs = rows
         u = outputs.detach()

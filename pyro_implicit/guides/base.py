@@ -442,9 +442,15 @@ class ImplicitAutoGuide(AutoContinuous):
 
         Keeps the autograd graph to the sampler's parameters.
         """
+        return self.preconditioner.unwhiten(self.sample_whitened(num_samples))
+
+    def sample_whitened(self, num_samples):
+        """:meth:`sample_unconstrained`'s draws before the preconditioner, ``z`` with
+        ``u = m + L z`` (``u`` itself without one), for losses that work in whitened
+        coordinates: the same random stream, without the ``D x D`` product."""
         self._check_ready()
         noise = self.standard_normal(num_samples, self.noise_dim)
-        return self.preconditioner.unwhiten(self._latent_from_noise(noise))
+        return self._latent_from_noise(noise)
 
     def unpack(self, latent):
         """Split packed latents ``(S, D)`` into constrained site values.

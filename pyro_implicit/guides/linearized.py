@@ -231,12 +231,12 @@ class LinearizedGuide(ImplicitAutoGuide):
         z, xi = noise[..., : self.noise_dim], noise[..., self.noise_dim :]
         return self.generator(z) + self.sigma * xi
 
-    def sample_unconstrained(self, num_samples):
-        """Draw ``(num_samples, D)`` packed unconstrained latents in one vectorised call
-        (with autograd graph to the generator)."""
+    def sample_whitened(self, num_samples):
+        """The whitened draws of :meth:`sample_unconstrained` (with autograd graph to the
+        generator): base noise z and output noise xi, ``d + D`` values per draw."""
         self._check_ready()
         noise = self.standard_normal(num_samples, self.noise_dim + self.latent_dim)
-        return self.preconditioner.unwhiten(self._latent_from_noise(noise))
+        return self._latent_from_noise(noise)
 
     # ------------------------------------------------------------------ pyro guide
     def _base_site_name(self):
