@@ -1,0 +1,186 @@
+"""What a compiled *whole* SVI step would buy: a probe, not a library path.
+
+The library's ``compile="fx"`` / ``"inductor"`` trace the model's log-density only; the
+guide's draw, the entropy estimator, the backward pass and the optimiser still run as
+eager PyTorch, op by op. NumPyro jits all of it into one XLA program. This probe traces the
+whole step instead (``make_fx`` of the loss, its gradient in the guide's parameters and an
+Adam update, replayed as one graph, optionally compiled by ``torch.compile``) and times it
+against the library's step, to measure how far that design could go before anyone
+builds it.
+
+To be traceable the step runs with the library's per-step checks off: the finiteness and
+divergence checks, and every ``.item()`` and ``float()`` of a tensor (diagnostics) gives NaN while tracing. The graph
+is therefore not a usable fit (it would not stop a diverging one); only its time is read.
+Each timing is the best of ``--repeats`` alternating repeats of ``--steps`` steps, after
+five warm-up steps, in one process.
+
+Usage::
+
+    python benchmarks/whole_step.py --models eight_schools,boston_bnn \\
+        --losses autonormal,sivi,stein,asvgd --out benchmarks/results/whole_step.md
+"""
+
+import argparse
+import contextlib
+import time
+
+import _provenance
+import compiled_score
+import pyro
+import pyro.infer.trace_elbo
+import torch
+from pyro.infer import SVI
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pyro_implicit.elbo.base import ImplicitELBO
+
+ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}
+
+
+@contextlib.contextmanager
+def checks_off():
+    """The step without the Python reads a graph cannot follow (see the module docstring)."""
+    saved = (ImplicitELBO._compiled_score, ImplicitELBO._check_divergence, torch.Tensor.item)
+    nan_check = pyro.infer.trace_elbo.warn_if_nan
+    to_float = torch.Tensor.__float__
+
+    def score(self, space, u, args, kwargs):
+        return space.score(u.detach(), args, kwargs, full_data=False)
+
+    ImplicitELBO._compiled_score = score
+    ImplicitELBO._check_divergence = lambda self, loss: None
+    torch.Tensor.item = torch.Tensor.__float__ = lambda self: float("nan")
+    pyro.infer.trace_elbo.warn_if_nan = lambda value, *args, **kwargs: value
+    try:
+        with pyro.validation_enabled(False):
+            yield
+    finally:
+        ImplicitELBO._compiled_score, ImplicitELBO._check_divergence, torch.Tensor.item = saved
+        pyro.infer.trace_elbo.warn_if_nan = nan_check
+        torch.Tensor.__float__ = to_float
+
+
+def whole_step_graph(model, guide, loss, args, kwargs):
+    """``(graph, state, params)``: the traced step ``(t, *m, *v) -> (loss, t, params, m,
+    v)`` over the param store's tensors, its Adam state, and the tensors it updates."""
+    store = pyro.get_param_store()
+    params = [store._params[name] for name in sorted(store.keys())]
+    lr, (b1, b2), eps = ADAM["lr"], ADAM["betas"], ADAM["eps"]
+
+    def step(t, *moments):
+        m, v = moments[: len(params)], moments[len(params) :]
+        value = loss.differentiable_loss(model, guide, *args, **kwargs)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+        t = t + 1
+        new = ([], [], [])
+        for p, g, mi, vi in zip(params, grads, m, v, strict=True):
+            g = torch.zeros_like(p) if g is None else g
+            mi = b1 * mi + (1 - b1) * g
+            vi = b2 * vi + (1 - b2) * g * g
+            update = lr * (mi / (1 - b1**t)) / ((vi / (1 - b2**t)).sqrt() + eps)
+            for out, x in zip(new, (p.detach() - update, mi, vi), strict=True):
+                out.append(x)
+        return value.detach(), t, *new
+
+    state = [torch.zeros(())] + [torch.zeros_like(p) for p in params]
+    state += [torch.zeros_like(p) for p in params]  # m, then v
+    with checks_off():
+        graph = make_fx(step)(*state)
+    return graph, state, params
+
+
+def replay(graph, state, params, steps):
+    """Run ``steps`` steps of the graph, writing the new parameters back in place."""
+    for _ in range(steps):
+        _, t, new_params, m, v = graph(*state)
+        state[:] = [t, *m, *v]
+        with torch.no_grad():
+            for p, q in zip(params, new_params, strict=True):
+                p.copy_(q)
+
+
+def time_loss(name, model, args, kwargs, mpn, particles, steps, repeats):
+    """ms per step of the library's SVI step, the whole-step graph replayed, and the
+    whole-step graph compiled by inductor, with the trace and compile seconds."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    method = name if name == "autonormal" else f"{name}-fx"
+    guide, loss = compiled_score._loss_pair(model, mpn, method, particles)
+    svi = SVI(model, guide, pyro.optim.Adam(dict(ADAM)), loss)
+    for _ in range(5):  # set-up: preconditioner, checks, the log-density's trace
+        svi.step(*args, **kwargs)
+    start = time.perf_counter()
+    graph, state, params = whole_step_graph(model, guide, loss, args, kwargs)
+    trace_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = torch.compile(graph, dynamic=False)
+    replay(compiled, state, params, 1)
+    compile_s = time.perf_counter() - start
+    runs = {
+        "svi": lambda k: [svi.step(*args, **kwargs) for _ in range(k)],
+        "graph": lambda k: replay(graph, state, params, k),
+        "inductor": lambda k: replay(compiled, state, params, k),
+    }
+    best = {key: float("inf") for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            run(5)
+            start = time.perf_counter()
+            run(steps)
+            best[key] = min(best[key], 1000 * (time.perf_counter() - start) / steps)
+    nodes = sum(1 for _ in graph.graph.nodes)
+    return {**best, "trace_s": trace_s, "compile_s": compile_s, "nodes": nodes}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="eight_schools,boston_bnn")
+    parser.add_argument("--losses", default="autonormal,sivi,stein,asvgd")
+    parser.add_argument("--particles", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    prov = _provenance.provenance(__file__, argv, vars(args))
+    table = compiled_score.models()
+    lines = [
+        "# A compiled whole SVI step: how far it could go (a probe)",
+        "",
+        f"`{prov['command']}` (commit {prov['commit']}, {prov['utc']}), float32, one thread, "
+        f"{args.particles} particles, Adam(lr 1e-3); ms per step, best of {args.repeats} "
+        f"alternating repeats of {args.steps} steps. `svi`: the library's step "
+        "(`compile='fx'`, Pyro's `SVI`); `graph`: the whole step (draw, loss, gradient, Adam) "
+        "traced by `make_fx` and replayed; `inductor`: that graph compiled by "
+        "`torch.compile`. The traced step runs with the per-step checks off (module "
+        "docstring): a timing, not a usable fit. Models and losses as in "
+        "`compiled_score.py --only-losses` (`autonormal`: AutoNormal + Trace_ELBO).",
+        "",
+        "| model | loss | svi ms | graph ms | inductor ms | svi / inductor | graph nodes | "
+        "trace s | compile s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model_name in args.models.split(","):
+        model, margs, mkwargs, mpn = table[model_name]
+        for name in args.losses.split(","):
+            try:
+                r = time_loss(
+                    name, model, margs, mkwargs, mpn, args.particles, args.steps, args.repeats
+                )
+            except Exception as e:  # noqa: BLE001 - a probe reports what does not trace
+                first = str(e).strip().splitlines()[0][:120]
+                lines.append(f"| {model_name} | {name} | fails: {type(e).__name__}: {first} |")
+                print(lines[-1], flush=True)
+                continue
+            lines.append(
+                f"| {model_name} | {name} | {r['svi']:.2f} | {r['graph']:.2f} | "
+                f"{r['inductor']:.2f} | {r['svi'] / r['inductor']:.2f} | {r['nodes']} | "
+                f"{r['trace_s']:.1f} | {r['compile_s']:.1f} |"
+            )
+            print(lines[-1], flush=True)
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
