@@ -373,3 +373,56 @@ def test_torch_native_training_through_elbo_module():
     mu = guide.sample_posterior(4000)["mu"]
     assert mu.mean().item() == pytest.approx(post_mean, abs=0.3 * post_sd)
     assert mu.std().item() == pytest.approx(post_sd, rel=0.25)
+
+
+def _two_coefficients():
+    pyro.sample("x", dist.Normal(torch.zeros(2), torch.tensor([1.0, 3.0])).to_event(1))
+
+
+@pytest.mark.parametrize(
+    "loss, precondition, parametrization, scaled",
+    [
+        ("KernelRatioELBO", True, "auto", True),  # the ratio estimate asks for them
+        ("SteinScoreELBO", True, "auto", False),
+        ("KernelRatioELBO", False, "auto", False),  # raw space: the paper's generator
+        ("KernelRatioELBO", True, "standard", False),
+        ("SteinScoreELBO", True, "scaled", True),
+    ],
+)
+def test_the_loss_that_builds_the_guide_picks_its_layers(
+    loss, precondition, parametrization, scaled
+):
+    import pyro_implicit
+
+    pyro.clear_param_store()
+    guide = ImplicitGuide(
+        _two_coefficients, precondition=precondition, parametrization=parametrization
+    )
+    elbo = getattr(pyro_implicit, loss)(num_particles=10)
+    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
+    assert guide.scaled_layers is scaled
+    names = list(pyro.get_param_store().keys())
+    assert any(n.endswith("raw_weight") for n in names) is scaled
+
+
+def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
+    pyro.clear_param_store()
+    guide = ImplicitGuide(_two_coefficients)
+    SVI(
+        _two_coefficients,
+        guide,
+        pyro.optim.Adam({"lr": 1e-2}),
+        KernelRatioELBO(num_particles=10),
+    ).step()
+    pyro.set_rng_seed(1)
+    draws = guide.sample_posterior(5)["x"]
+    pyro.get_param_store().save(tmp_path / "store.pt")
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "store.pt")
+    restored = ImplicitGuide(_two_coefficients)
+    restored()  # built outside any loss: the store says scaled
+    assert restored.scaled_layers
+    pyro.set_rng_seed(1)
+    torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+    with pytest.raises(ValueError, match="parametrization must be one of"):
+        ImplicitGuide(_two_coefficients, parametrization="mup")

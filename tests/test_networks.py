@@ -40,3 +40,42 @@ def test_block_generator_factorises():
     assert torch.allclose(out[:, 3:], b(noise[:, 2:]))
     with pytest.raises(ValueError, match="activation"):
         MLPGenerator(2, 2, (3,), activation="swish")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_scaled_layers_are_the_same_function_with_the_exact_jacobian(skip):
+    torch.manual_seed(0)
+    plain = MLPGenerator(5, 7, hidden_dims=(16, 16), activation="elu", skip=skip)
+    torch.manual_seed(0)
+    scaled = MLPGenerator(5, 7, hidden_dims=(16, 16), activation="elu", skip=skip, scaled=True)
+    noise = torch.randn(9, 5)
+    torch.testing.assert_close(scaled(noise), plain(noise))
+    assert {n for n, _ in scaled.named_parameters()} == {
+        "hidden.0.raw_weight", "hidden.0.bias", "hidden.2.raw_weight", "hidden.2.bias",
+        "output.raw_weight", "output.bias",
+    }  # fmt: skip
+    scaled.init_output(torch.arange(7.0), 0.3)
+    out = scaled(torch.randn(20000, 5)).detach()
+    assert torch.allclose(out.mean(0), torch.arange(7.0), atol=0.05)
+    if not skip:
+        assert out.std(0).mean().item() == pytest.approx(0.3, rel=0.05)
+    jac = torch.func.vmap(torch.func.jacrev(scaled))(noise)
+    torch.testing.assert_close(scaled.jacobian(noise), jac)
+
+
+def test_one_adam_step_moves_scaled_layers_far_less_than_standard_ones():
+    # the first Adam step moves every stored value by lr in the sign of its gradient: a
+    # standard layer's outputs then move by up to fan-in learning rates (here 7 output sds;
+    # scaled layers 0.7)
+    moves = {}
+    for scaled in (False, True):
+        torch.manual_seed(0)
+        gen = MLPGenerator(10, 10, hidden_dims=(256, 256), activation="elu", scaled=scaled)
+        gen.init_output(torch.zeros(10), 1.0)
+        noise = torch.randn(512, 10)
+        before = gen(noise).mean(0).detach()
+        optim = torch.optim.Adam(gen.parameters(), lr=1e-2)
+        gen(noise).mean(0).sum().backward()  # every output pushed the same way
+        optim.step()
+        moves[scaled] = (gen(noise).mean(0).detach() - before).abs().max().item()
+    assert moves[False] > 2.0 and moves[True] < moves[False] / 5

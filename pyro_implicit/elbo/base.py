@@ -37,7 +37,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 
 from ..contract import SAMPLE, check_guide_site
 from ..errors import DivergenceError, VectorizationError
-from ..guides.base import implicit_site_info
+from ..guides.base import implicit_site_info, requested_parametrization
 from ..latent import LatentSpace
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
@@ -344,10 +344,16 @@ class ImplicitELBO(ELBO):
         path = (score.detach() * u).sum(-1)
         return log_density.detach() + (path - path.detach())
 
+    #: what a guide of this library built during this loss's step (its first call) is
+    #: asked to use for ``parametrization="auto"`` (``None``: the guide's own default,
+    #: standard layers); see :func:`~pyro_implicit.guides.base.requested_parametrization`
+    guide_parametrization = None
+
     def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""
-        loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
+        with requested_parametrization(self.guide_parametrization):
+            loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss)
         self._num_evaluations += 1
         return loss, surrogate

@@ -264,6 +264,12 @@ class KernelRatioELBO(ImplicitELBO):
 
     required_capability = SAMPLE
 
+    # The ratio is fitted where q's draws were on this step; a step that moves q by
+    # several sds leaves it behind (the runaway of benchmarks/results/kivi_runaway.md),
+    # and a standard MLP under Adam can move q that far in one step
+    # (benchmarks/results/kivi_parametrization.md). Scaled layers cannot.
+    guide_parametrization = "scaled"
+
     def __init__(
         self,
         num_particles=100,

@@ -166,6 +166,10 @@ class SteinScoreELBO(KernelRatioELBO):
 
     required_capability = SAMPLE
 
+    # standard layers: on the funnel-shaped stiff posteriors scaled ones learned too slowly
+    # (benchmarks/results/kivi_parametrization.md)
+    guide_parametrization = None
+
     def __init__(
         self,
         num_particles=100,

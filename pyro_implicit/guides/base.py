@@ -19,6 +19,7 @@ Trace layout (what a loss sees):
 """
 
 import contextlib
+import contextvars
 import math
 
 import pyro
@@ -34,6 +35,26 @@ from ..contract import IMPLICIT_FLAG, implicit_site_info
 from ..latent import LatentSpace, Preconditioner, resolve_precondition
 
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
+
+#: the ``parametrization`` values of the guides (see :class:`ImplicitAutoGuide`)
+PARAMETRIZATIONS = ("auto", "standard", "scaled")
+
+# what the loss now running a guide asks of a guide built during its step (see
+# :func:`requested_parametrization`)
+_REQUESTED_PARAMETRIZATION = contextvars.ContextVar("requested_parametrization", default=None)
+
+
+@contextlib.contextmanager
+def requested_parametrization(value):
+    """Within the block, a guide with ``parametrization="auto"`` that builds its sampler
+    (its first call) and has a preconditioner uses ``value`` (``"standard"``,
+    ``"scaled"`` or ``None``: the guide's own default). The losses run their steps inside
+    it with their :attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`."""
+    token = _REQUESTED_PARAMETRIZATION.set(value)
+    try:
+        yield
+    finally:
+        _REQUESTED_PARAMETRIZATION.reset(token)
 
 
 _LOSSES_HINT = (
@@ -116,6 +137,14 @@ class ImplicitAutoGuide(AutoContinuous):
         coordinates; or a :class:`~pyro_implicit.latent.Preconditioner` of one's own.
     :param int num_quantile_samples: number of draws behind :meth:`median` and
         :meth:`quantiles`.
+    :param str parametrization: how the default MLP stores its weights: ``"standard"``
+        (PyTorch's ``nn.Linear``), ``"scaled"`` (each weight a fixed multiple of an
+        order-one parameter, :class:`~pyro_implicit.guides.networks.ScaledLinear`, so
+        that one Adam step cannot move q by a layer width's worth of learning rates) or
+        ``"auto"`` (default): what the loss that first runs the guide asks for
+        (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`:
+        ``KernelRatioELBO`` asks for scaled layers, the other losses for standard ones),
+        with a preconditioner; standard without one (the papers' raw-space generators).
     """
 
     #: what a loss may ask of this guide; see :mod:`pyro_implicit.elbo`.
@@ -129,9 +158,15 @@ class ImplicitAutoGuide(AutoContinuous):
         init_scale=None,
         num_quantile_samples=1000,
         precondition=True,
+        parametrization="auto",
     ):
         if init_scale is not None and not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
+        if parametrization not in PARAMETRIZATIONS:
+            raise ValueError(
+                f"parametrization must be one of {PARAMETRIZATIONS}, got {parametrization!r}"
+            )
+        self._parametrization_arg = parametrization
         if not (isinstance(precondition, (bool, Preconditioner)) or precondition is None):
             raise TypeError(
                 "precondition must be True (automatic), False (none) or a "
@@ -185,6 +220,7 @@ class ImplicitAutoGuide(AutoContinuous):
             self.preconditioner = _preconditioner_from_state(pending[0], init_loc)
         else:
             self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
+        self._scaled_layers = self._resolve_scaled_layers(pending)
         if self.preconditioner.is_identity:
             self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
             self._build_sampler(init_loc)
@@ -203,6 +239,32 @@ class ImplicitAutoGuide(AutoContinuous):
     def whitened(self):
         """Whether the sampler draws whitened coordinates ``z`` (``u = m + L z``)."""
         return not self.preconditioner.is_identity
+
+    @property
+    def scaled_layers(self):
+        """Whether the default MLP's layers are
+        :class:`~pyro_implicit.guides.networks.ScaledLinear` (``parametrization``,
+        decided when the sampler is built)."""
+        return self._scaled_layers
+
+    def _resolve_scaled_layers(self, pending=None):
+        if self._parametrization_arg != "auto":
+            return self._parametrization_arg == "scaled"
+        # a trained guide being restored keeps the layers it was trained with
+        if pending is not None:
+            saved = [k for k in pending[0] if "preconditioner" not in k]
+        else:
+            prefix = self._store_name("")
+            saved = [
+                k
+                for k in pyro.get_param_store().keys()
+                if k.startswith(prefix) and ".preconditioner." not in k
+            ]
+        if saved:
+            return any(k.endswith("raw_weight") for k in saved)
+        # auto: what the loss building the guide asks for, in whitened coordinates only
+        # (the papers' raw-space generators stay as published)
+        return self.whitened and _REQUESTED_PARAMETRIZATION.get() == "scaled"
 
     def latent_space(self, *args, **kwargs):
         """The model's packed latent space (:class:`~pyro_implicit.latent.LatentSpace`),

@@ -84,6 +84,7 @@ class ImplicitGuide(ImplicitAutoGuide):
         init_scale=None,
         num_quantile_samples=1000,
         precondition=True,
+        parametrization="auto",
     ):
         if isinstance(generator, str) and generator not in ("mlp", "mmnn"):
             raise ValueError(f"generator must be 'mlp', 'mmnn' or a callable, got {generator!r}")
@@ -110,6 +111,7 @@ class ImplicitGuide(ImplicitAutoGuide):
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
             precondition=precondition,
+            parametrization=parametrization,
         )
 
     # ------------------------------------------------------------------ building
@@ -119,7 +121,9 @@ class ImplicitGuide(ImplicitAutoGuide):
         if hidden is None:
             hidden = _default_hidden(d, out_dim)
         # whitened: a residual on the identity, so q starts at the preconditioner's Gaussian
-        return MLPGenerator(d, out_dim, hidden, self._activation, skip=self.whitened)
+        return MLPGenerator(
+            d, out_dim, hidden, self._activation, skip=self.whitened, scaled=self.scaled_layers
+        )
 
     def _mmnn(self, shape):
         m, n = shape

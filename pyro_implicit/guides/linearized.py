@@ -132,6 +132,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         init_scale=None,
         num_quantile_samples=1000,
         precondition=True,
+        parametrization="auto",
     ):
         if isinstance(generator, str) and generator not in ("mlp", "scalable"):
             raise ValueError(
@@ -152,6 +153,7 @@ class LinearizedGuide(ImplicitAutoGuide):
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
             precondition=precondition,
+            parametrization=parametrization,
         )
 
     # ------------------------------------------------------------------ building
@@ -171,7 +173,9 @@ class LinearizedGuide(ImplicitAutoGuide):
             if hidden is None:
                 hidden = _default_hidden(d, dim)
             # whitened: a residual on the identity, so q starts at the Gaussian fit
-            gen = MLPGenerator(d, dim, hidden, self._activation, skip=self.whitened)
+            gen = MLPGenerator(
+                d, dim, hidden, self._activation, skip=self.whitened, scaled=self.scaled_layers
+            )
         if gen.out_dim != dim:
             raise ValueError(
                 f"the generator outputs {gen.out_dim} values but the model's packed latent "

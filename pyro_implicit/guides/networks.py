@@ -17,7 +17,13 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["BlockGenerator", "MLPGenerator", "MatrixGenerator", "MatrixMultiplication"]
+__all__ = [
+    "BlockGenerator",
+    "MLPGenerator",
+    "MatrixGenerator",
+    "MatrixMultiplication",
+    "ScaledLinear",
+]
 
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "elu": nn.ELU, "softplus": nn.Softplus}
 
@@ -38,6 +44,44 @@ def _activation(name):
         raise ValueError(
             f"unknown activation {name!r}; choose from {sorted(_ACTIVATIONS)}"
         ) from None
+
+
+class ScaledLinear(nn.Module):
+    r"""A linear layer whose weight is a fixed multiple of the stored parameter,
+    :math:`W = c\,V` (``weight`` is :math:`W`; the optimiser sees :math:`V`, ``raw_weight``).
+
+    Adam moves every stored value by about its learning rate per step whatever the
+    gradient's size, so a standard layer of fan-in :math:`n` (entries of order
+    :math:`1/\sqrt n`) can move each output by up to :math:`n` learning rates in one step
+    when the updates agree in sign. With :math:`V` of order one and :math:`c = 1/\sqrt n`
+    (hidden layers: the NTK parametrisation) the bound is :math:`\sqrt n` learning rates,
+    and with :math:`c = 1/n` (the output layer, as in the maximal-update parametrisation,
+    Yang et al., *Tensor Programs V*, 2022) one. Initialised from a
+    :class:`torch.nn.Linear`: the same function.
+    """
+
+    def __init__(self, linear, multiplier):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.multiplier = float(multiplier)
+        self.raw_weight = nn.Parameter(linear.weight.detach() / self.multiplier)
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    @property
+    def weight(self):
+        """The weight in use, c V."""
+        return self.raw_weight * self.multiplier
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, multiplier={self.multiplier:.3g}"
+
+
+def _stored(layer):
+    """The parameter an optimiser updates for ``layer``'s weight."""
+    return layer.raw_weight if isinstance(layer, ScaledLinear) else layer.weight
 
 
 @torch.no_grad()
@@ -72,9 +116,15 @@ class MLPGenerator(nn.Module):
         on top of a Gaussian; :meth:`init_output` then starts the residual near zero on
         those k coordinates, so the pushforward starts at :math:`N(loc, scale^2 I)`
         (the preconditioned guides' start at their Gaussian fit).
+    :param bool scaled: every layer a :class:`ScaledLinear` (multipliers 1/sqrt(fan-in)
+        for the hidden layers, 1/fan-in for the output), so that one Adam step cannot move
+        the output by a layer width's worth of learning rates. The same function at
+        initialisation.
     """
 
-    def __init__(self, noise_dim, out_dim, hidden_dims=(), activation="relu", skip=False):
+    def __init__(
+        self, noise_dim, out_dim, hidden_dims=(), activation="relu", skip=False, scaled=False
+    ):
         super().__init__()
         self.noise_dim = int(noise_dim)
         self.out_dim = int(out_dim)
@@ -83,13 +133,19 @@ class MLPGenerator(nn.Module):
         self.skip_dim = min(self.noise_dim, self.out_dim) if self.skip else 0
         # the skip's scale s (set by init_output); a buffer: it is not learned
         self.register_buffer("skip_scale", torch.ones(()), persistent=self.skip)
+        self.scaled = bool(scaled)
         layers = []
         width = self.noise_dim
         for h in hidden_dims:
-            layers += [nn.Linear(width, h), _activation(activation)]
+            linear = nn.Linear(width, h)
+            if self.scaled:
+                linear = ScaledLinear(linear, width**-0.5)
+            layers += [linear, _activation(activation)]
             width = h
         self.hidden = nn.Sequential(*layers)
         self.output = nn.Linear(width, self.out_dim)
+        if self.scaled:
+            self.output = ScaledLinear(self.output, 1.0 / width)
 
     def forward(self, noise):
         out = self.output(self.hidden(noise))
@@ -133,19 +189,20 @@ class MLPGenerator(nn.Module):
         """Centre the output at ``loc`` with per-coordinate spread ``scale`` (with
         ``skip``: the skip carries that spread on its k coordinates and the residual
         starts at a hundredth of it there)."""
+        stored = _stored(self.output)
         if not self.skip:
-            _rescale_to_spread(self, self.output.weight, self.output.bias, loc, scale)
+            _rescale_to_spread(self, stored, self.output.bias, loc, scale)
             return
         with torch.no_grad():
             self.skip_scale.fill_(float(scale))
-            weight, bias = self.output.weight, self.output.bias
-            noise = torch.randn(512, self.noise_dim, dtype=weight.dtype, device=weight.device)
+            bias = self.output.bias
+            noise = torch.randn(512, self.noise_dim, dtype=bias.dtype, device=bias.device)
             hidden = self.hidden(noise)
-            spread = (hidden @ weight.T).std(0).clamp(min=1e-12)
+            spread = (hidden @ self.output.weight.T).std(0).clamp(min=1e-12)
             target = torch.full_like(spread, float(scale))
             target[: self.skip_dim] *= 0.01
-            weight.mul_((target / spread)[:, None])
-            bias.copy_(loc.reshape(bias.shape) - (hidden @ weight.T).mean(0))
+            stored.mul_((target / spread)[:, None])
+            bias.copy_(loc.reshape(bias.shape) - (hidden @ self.output.weight.T).mean(0))
 
 
 class MatrixMultiplication(nn.Module):

@@ -122,6 +122,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         init_scale=None,
         num_quantile_samples=1000,
         precondition=True,
+        parametrization="auto",
     ):
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
@@ -140,6 +141,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
             init_scale=init_scale,
             num_quantile_samples=num_quantile_samples,
             precondition=precondition,
+            parametrization=parametrization,
         )
 
     # ------------------------------------------------------------------ building
@@ -150,7 +152,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         hidden = self._hidden_dims
         if hidden is None:
             hidden = _SMALL_HIDDEN if small else _LARGE_HIDDEN
-        net = MLPGenerator(g, dim, hidden, self._activation)
+        net = MLPGenerator(g, dim, hidden, self._activation, scaled=self.scaled_layers)
         net = net.to(dtype=init_loc.dtype, device=init_loc.device)
         if self.whitened:
             # start at the preconditioner's Gaussian: the conditional carries the spread,
