@@ -166,8 +166,9 @@ class SteinScoreELBO(KernelRatioELBO):
 
     required_capability = SAMPLE
 
-    # standard layers: on the funnel-shaped stiff posteriors scaled ones learned too slowly
-    # (benchmarks/results/kivi_parametrization.md)
+    # standard layers: on the funnel-shaped stiff posteriors (eight schools, Neal's
+    # funnel, stochastic volatility) scaled ones learned too slowly
+    # (benchmarks/results/stein_parametrization.md)
     guide_parametrization = None
 
     def __init__(
