@@ -426,3 +426,24 @@ def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
     with pytest.raises(ValueError, match="parametrization must be one of"):
         ImplicitGuide(_two_coefficients, parametrization="mup")
+
+
+def test_a_guide_loaded_from_a_state_dict_keeps_its_scaled_layers():
+    pyro.clear_param_store()
+    guide = ImplicitGuide(_two_coefficients)
+    SVI(
+        _two_coefficients,
+        guide,
+        pyro.optim.Adam({"lr": 1e-2}),
+        KernelRatioELBO(num_particles=10),
+    ).step()
+    state = guide.state_dict()
+    pyro.clear_param_store()
+    restored = ImplicitGuide(_two_coefficients)
+    restored.load_state_dict(state)  # before its first call, outside any loss
+    restored()
+    assert restored.scaled_layers
+    pyro.set_rng_seed(1)
+    draws = guide.sample_posterior(5)["x"]
+    pyro.set_rng_seed(1)
+    torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
