@@ -405,7 +405,8 @@ def test_the_loss_that_builds_the_guide_picks_its_layers(
     assert any(n.endswith("raw_weight") for n in names) is scaled
 
 
-def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
+def _kivi_trained_guide():
+    """An ``ImplicitGuide`` after one ``KernelRatioELBO`` step: built with scaled layers."""
     pyro.clear_param_store()
     guide = ImplicitGuide(_two_coefficients)
     SVI(
@@ -414,6 +415,11 @@ def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
         pyro.optim.Adam({"lr": 1e-2}),
         KernelRatioELBO(num_particles=10),
     ).step()
+    return guide
+
+
+def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
+    guide = _kivi_trained_guide()
     pyro.set_rng_seed(1)
     draws = guide.sample_posterior(5)["x"]
     pyro.get_param_store().save(tmp_path / "store.pt")
@@ -429,14 +435,7 @@ def test_a_restored_guide_keeps_the_layers_it_was_trained_with(tmp_path):
 
 
 def test_a_guide_loaded_from_a_state_dict_keeps_its_scaled_layers():
-    pyro.clear_param_store()
-    guide = ImplicitGuide(_two_coefficients)
-    SVI(
-        _two_coefficients,
-        guide,
-        pyro.optim.Adam({"lr": 1e-2}),
-        KernelRatioELBO(num_particles=10),
-    ).step()
+    guide = _kivi_trained_guide()
     state = guide.state_dict()
     pyro.clear_param_store()
     restored = ImplicitGuide(_two_coefficients)

@@ -252,14 +252,11 @@ class ImplicitAutoGuide(AutoContinuous):
             return self._parametrization_arg == "scaled"
         # a trained guide being restored keeps the layers it was trained with
         if pending is not None:
-            saved = [k for k in pending[0] if "preconditioner" not in k]
+            names = list(pending[0])
         else:
             prefix = self._store_name("")
-            saved = [
-                k
-                for k in pyro.get_param_store().keys()
-                if k.startswith(prefix) and ".preconditioner." not in k
-            ]
+            names = [k for k in pyro.get_param_store().keys() if k.startswith(prefix)]
+        saved = [k for k in names if "preconditioner" not in k]
         if saved:
             return any(k.endswith("raw_weight") for k in saved)
         # auto: what the loss building the guide asks for, in whitened coordinates only
