@@ -403,33 +403,61 @@ class KernelRatioELBO(ImplicitELBO):
         return self._links[key]
 
     def _tracking_contrast(self, preconditioners, group, q):
-        r"""The ``"preconditioner"`` contrast of a group: :math:`N(m + L\mu, L\Sigma L^	op)`
-        with :math:`(\mu, \Sigma)` the moments of q's whitened draws, averaged over steps
-        with weight :attr:`contrast_rate` per step and starting at :math:`(0, I)`, the
-        preconditioner's Gaussian itself. Near a Gaussian posterior q stays at the
+        r"""The ``"preconditioner"`` contrast of a group, :math:`r = N(m + L\mu, L\Sigma
+        L^\top)` with :math:`(\mu, \Sigma)` the moments of q's whitened draws, averaged
+        over steps with weight :attr:`contrast_rate` per step and starting at :math:`(0,
+        I)`, the preconditioner's Gaussian itself. Near a Gaussian posterior q stays at the
         preconditioner and so does r (a ratio near 1, where the kernel fit is accurate);
         where q must travel (a funnel's neck), r follows it a few steps behind, so the
         ratio never saturates at the clip (a fixed r let the fit run away there: the exact
         term :math:`\mathbb E_q[-\log r]` rewards moving away from r, and clipped points
-        get no pull back)."""
+        get no pull back).
+
+        Computed in the preconditioner's coordinates :math:`z = L^{-1}(u - m)` (for the
+        draws a guide has just unwhitened, its own z: no solve), where r is
+        :math:`N(\mu, TT^\top)`, :math:`T T^\top = \Sigma`, and at the start the
+        standard normal.
+
+        :return: ``(w, log_r)``: the draws whitened by r, :math:`T^{-1}(z - \mu)`, and
+            :math:`\log r(u)` at them, both with the graph of ``q``.
+        """
         pre = _preconditioner_marginal(preconditioners, group)
-        z = pre.whiten(q).to(torch.float64)
+        z = pre.whiten(q)
+        z64 = z.detach().to(torch.float64)
         # one average per guide (its preconditioner) and group
         key = (id(preconditioners[group[0]][0]), tuple(group))
-        dim = z.shape[-1]
-        if key not in self._contrast_moments:
-            self._contrast_moments[key] = (
-                z.new_zeros(dim),
-                torch.eye(dim, dtype=z.dtype, device=z.device),
-            )
-        mean, cov = self._contrast_moments[key]
+        self._last_contrast_key = key
+        batch_mean = z64.mean(0)
+        # how far q has moved from where it started (the preconditioner's Gaussian)
+        self._last_drift = batch_mean.abs().max().item()
         # a saturated ratio (most draws clipped on the last step: q has left r) re-anchors r
         # at q's current moments; otherwise r moves by contrast_rate
         rate = 1.0 if self._saturated.get(key, False) else self.contrast_rate
-        self._last_contrast_key = key
-        batch_mean = z.mean(0)
-        # how far q has moved from where it started (the preconditioner's Gaussian)
-        self._last_drift = batch_mean.abs().max().item()
+        if rate > 0:
+            self._contrast_moments[key] = self._moved_moments(
+                self._contrast_moments.get(key), z64, batch_mean, rate
+            )
+        moments = self._contrast_moments.get(key)
+        if moments is None:  # r is still the preconditioner's Gaussian: z is r-whitened
+            w = z
+            log_det = 0.0
+        else:
+            mean, _, tril = moments
+            centred = (z - mean.to(z.dtype)).T
+            w = torch.linalg.solve_triangular(tril.to(z.dtype), centred, upper=False).T
+            log_det = tril.diagonal().log().sum().to(z.dtype)
+        return w, _standard_log_density(w) - log_det - pre.log_abs_det()
+
+    @staticmethod
+    def _moved_moments(moments, z, batch_mean, rate):
+        """The moving average ``(mean, cov, cholesky factor)`` of the whitened draws ``z``
+        after one step of weight ``rate`` (``moments`` ``None``: the start, ``(0, I)``)."""
+        dim = z.shape[-1]
+        eye = torch.eye(dim, dtype=z.dtype, device=z.device)
+        if moments is None:
+            mean, cov, tril = z.new_zeros(dim), eye, eye
+        else:
+            mean, cov, tril = moments
         centred = z - batch_mean
         batch_cov = centred.T @ centred / max(z.shape[0] - 1, 1)
         # shrunk towards its diagonal, so it stays well conditioned (as _fit_contrast)
@@ -439,21 +467,11 @@ class KernelRatioELBO(ImplicitELBO):
         new_mean = mean + rate * delta
         new_cov = (1 - rate) * (cov + rate * torch.outer(delta, delta)) + rate * batch_cov
         new_cov = 0.5 * (new_cov + new_cov.T)
-        eye = torch.eye(dim, dtype=cov.dtype, device=cov.device)
-        tril, info = torch.linalg.cholesky_ex(new_cov + 1e-10 * eye)
-        if info.item() == 0 and torch.isfinite(tril).all():
-            self._contrast_moments[key] = (new_mean, new_cov)
-        else:  # q's draws have (nearly) collapsed: keep r where it was
-            tril = torch.linalg.cholesky(cov + 1e-10 * eye)
-            new_mean = mean
-        mean = new_mean
-        ref = q
-        if pre.kind == "dense":
-            scale_tril = pre.scale_tril.to(torch.float64) @ tril
-        else:
-            scale_tril = pre.scale.to(torch.float64)[:, None] * tril
-        loc = pre.unwhiten(mean.to(ref.dtype))
-        return torch.distributions.MultivariateNormal(loc, scale_tril=scale_tril.to(ref.dtype))
+        new_tril, info = torch.linalg.cholesky_ex(new_cov + 1e-10 * eye)
+        if info.item() == 0 and torch.isfinite(new_tril).all():
+            return new_mean, new_cov, new_tril
+        # q's draws have (nearly) collapsed: keep r where it was
+        return moments
 
     def _contrast_kind(self, guide_trace, names):
         """The contrast of this step (``False``: the prior) and, for
@@ -564,12 +582,13 @@ class KernelRatioELBO(ImplicitELBO):
         estimator handles far better than a comparison with a distant prior. Returns
         ``(-E_q[log r] - KL(q||r), KL estimate, info)`` for the draws ``q`` (with graph)."""
         if ac == "preconditioner":
-            contrast = self._tracking_contrast(preconditioners, group, q.detach())
+            whitened, log_r = self._tracking_contrast(preconditioners, group, q)
             key = self._last_contrast_key
         else:
             contrast = _fit_contrast(q.detach(), ac)
-        log_r = contrast.log_prob(q)
-        kl, info = self._whitened_kl(_whiten(contrast, q))
+            whitened = _whiten(contrast, q)
+            log_r = _contrast_log_density(contrast, whitened)
+        kl, info = self._whitened_kl(whitened)
         if ac == "preconditioner":
             self._saturated[key] = info["clipped_fraction"] > 0.5
             info["drift"] = self._last_drift
@@ -797,14 +816,19 @@ def _preconditioner_marginal(preconditioners, group):
             f"sites {group} share one KL estimate but are drawn by different preconditioned "
             "guides; give them one guide"
         )
-    index = torch.cat(
-        [torch.arange(sl.start, sl.stop) for sl in (preconditioners[n][1] for n in group)]
-    ).to(pre.loc.device)
+    slices = [preconditioners[name][1] for name in group]
+    if slices[0].start == 0 and all(
+        a.stop == b.start for a, b in zip(slices, slices[1:], strict=False)
+    ):
+        if slices[-1].stop == pre.loc.numel():  # the whole packed vector, in order
+            return pre
+    index = torch.cat([torch.arange(sl.start, sl.stop) for sl in slices]).to(pre.loc.device)
     return pre.marginal(index)
 
 
 def _fit_contrast(q, kind):
-    """Gaussian r matched to the q samples (moments detached): diagonal (KIVI App. D) or,
+    """Gaussian r matched to the q samples (moments detached; not validated: its factors
+    come from a Cholesky or clamped sds): diagonal (KIVI App. D) or,
     for ``"full"``, with the sample covariance (shrunk towards its diagonal so it stays
     well conditioned when D approaches the number of samples)."""
     n, d = q.shape
@@ -817,11 +841,15 @@ def _fit_contrast(q, kind):
         centred = q - loc
         if d >= n - 1:
             sd = centred.pow(2).mean(0).sqrt().clamp(min=1e-12)
-            return torch.distributions.Independent(torch.distributions.Normal(loc, sd), 1)
+            return torch.distributions.Independent(
+                torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
+            )
         cov = centred.T @ centred / n
         eye = torch.eye(d, dtype=q.dtype, device=q.device)
         cov = cov + 1e-12 * cov.diagonal().mean() * eye
-        return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))
+        return torch.distributions.MultivariateNormal(
+            loc, scale_tril=torch.linalg.cholesky(cov), validate_args=False
+        )
     if kind == "full" and d > 1:
         centred = q - loc
         shrink = min(1.0, d / n)
@@ -830,21 +858,48 @@ def _fit_contrast(q, kind):
             # d x d factor (a BNN's D = 753 cost 0.3 s per step that way)
             var = centred.pow(2).sum(0) / (n - 1)
             sd = (var + 1e-10 * var.mean()).sqrt()
-            return torch.distributions.Independent(torch.distributions.Normal(loc, sd), 1)
+            return torch.distributions.Independent(
+                torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
+            )
         cov = centred.T @ centred / (n - 1)
         cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
         cov = cov + 1e-10 * cov.diagonal().mean() * torch.eye(d, dtype=q.dtype, device=q.device)
-        return torch.distributions.MultivariateNormal(loc, scale_tril=torch.linalg.cholesky(cov))
+        return torch.distributions.MultivariateNormal(
+            loc, scale_tril=torch.linalg.cholesky(cov), validate_args=False
+        )
     return torch.distributions.Independent(
-        torch.distributions.Normal(loc, q.std(0).clamp(min=1e-12)), 1
+        torch.distributions.Normal(loc, q.std(0).clamp(min=1e-12), validate_args=False),
+        1,
+        validate_args=False,
     )
+
+
+def _standard_log_density(w):
+    r""":math:`\log N(w; 0, I)` over the last dim: with the log-determinant of the map that
+    whitened them, a Gaussian's log-density at its draws from the one solve that whitens
+    them (``log_prob`` would solve again)."""
+    return -0.5 * w.pow(2).sum(-1) - 0.5 * w.shape[-1] * math.log(2 * math.pi)
+
+
+def _contrast_log_density(contrast, whitened):
+    r""":math:`\log r` of a Gaussian of :func:`_fit_contrast` at the draws it has whitened
+    (:func:`_whiten`): the standard normal's log-density there less the log-determinant of
+    the whitening map."""
+    if isinstance(contrast, torch.distributions.MultivariateNormal):
+        log_det = contrast.scale_tril.diagonal().log().sum()
+    else:
+        log_det = contrast.base_dist.scale.log().sum()
+    return _standard_log_density(whitened) - log_det
 
 
 def _whiten(contrast, q):
     """Map q samples through the affine map that sends r to N(0, I)."""
     if isinstance(contrast, torch.distributions.MultivariateNormal):
-        centred = (q - contrast.loc).unsqueeze(-1)
-        return torch.linalg.solve_triangular(contrast.scale_tril, centred, upper=False).squeeze(-1)
+        # one solve with every draw as a right-hand side, not one small solve per draw
+        centred = q - contrast.loc
+        flat = centred.reshape(-1, centred.shape[-1]).T
+        white = torch.linalg.solve_triangular(contrast.scale_tril, flat, upper=False)
+        return white.T.reshape(centred.shape)
     base = contrast.base_dist
     return (q - base.loc) / base.scale
 
