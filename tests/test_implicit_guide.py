@@ -446,3 +446,54 @@ def test_a_guide_loaded_from_a_state_dict_keeps_its_scaled_layers():
     draws = guide.sample_posterior(5)["x"]
     pyro.set_rng_seed(1)
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+
+
+def _hierarchical_normal():
+    """Normal means with a known group scale, ``theta_j ~ N(mu, tau^2)``, and their exact
+    Gaussian posterior over ``(mu, theta)``."""
+    y = torch.tensor([2.0, -1.0, 0.5, 3.0], dtype=torch.float64)
+    sigma = torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=torch.float64)
+    prior_sd, tau = 3.0, 2.0
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), prior_sd))
+        with pyro.plate("groups", len(y)):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    num = len(y) + 1  # (mu, theta_1..J): prior covariance, then Bayes' rule
+    prior_cov = torch.full((num, num), prior_sd**2, dtype=torch.float64)
+    prior_cov[1:, 1:] += tau**2 * torch.eye(len(y), dtype=torch.float64)
+    noise = torch.cat([torch.zeros(1, dtype=torch.float64), sigma.pow(-2)])
+    cov = torch.linalg.inv(torch.linalg.inv(prior_cov) + torch.diag(noise))
+    mean = cov @ torch.cat([torch.zeros(1, dtype=torch.float64), y / sigma**2])
+    return model, mean, cov
+
+
+def test_a_non_centred_model_gives_the_exact_posterior_of_its_original_sites():
+    """Pyro's own non-centring (``poutine.reparam`` with ``AutoReparam(centered=0.0)``, the
+    README's advice for funnels) turns ``mu`` and ``theta`` into deterministic functions of
+    new latents: the guide must fit those, and ``Predictive`` must return the original
+    sites with their exact posterior (measured at seeds 0-2: mean error 0.04-0.05 sd, sd
+    ratios 0.93-0.97; the same draws are 0.82-0.85 sd off the posterior of tau = 1
+    instead of 2)."""
+    from pyro.infer.reparam.strategies import AutoReparam
+
+    from pyro_implicit import SteinScoreELBO
+
+    model, mean, cov = _hierarchical_normal()
+    non_centred = poutine.reparam(model, config=AutoReparam(centered=0.0))
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = ImplicitGuide(non_centred)
+    svi = SVI(non_centred, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
+    for _ in range(1000):
+        svi.step()
+    assert set(guide._unconstrained_shapes) == {"mu_decentered", "theta_decentered"}
+    with torch.no_grad():
+        out = Predictive(non_centred, guide=guide, num_samples=4000, return_sites=["mu", "theta"])()
+    draws = torch.cat([out["mu"].reshape(-1, 1), out["theta"].reshape(4000, -1)], dim=-1)
+    sd = cov.diagonal().sqrt()
+    assert ((draws.mean(0) - mean).abs() / sd).max() < 0.15
+    ratio = draws.std(0) / sd
+    assert 0.85 < ratio.min() and ratio.max() < 1.15
