@@ -142,6 +142,15 @@ class GPVI_ELBO(_FunctionalGradientELBO):
     (``ImplicitGuide(model, hidden_dims=())``, :math:`q = \mathcal N(b, W W^\top)`) is
     the paper's toy-experiment sampler (Tables 1, 2).
 
+    **A known failure.** On the stiff benchmark's stochastic-volatility model (D = 33,
+    funnel-shaped in the volatility scale) the default fit ended 2.7-4.0 posterior sds off
+    at every seed tried (``benchmarks/results/stiff_seeds.md``), with nothing to warn of
+    it. It is close for its first 1000 steps; then the generator stretches one direction
+    (its Jacobian's largest singular value went from 1.3 to 110 by step 2000) and some
+    marginals grow 7-10x too wide. 128 particles instead of 64 still ended 1.7 sds off
+    (one seed). There, prefer
+    :class:`AmortizedSVGD_ELBO` or weight-space SVGD (0.15-0.28 sds off).
+
     Costs per step: one model run on N particles, O(N^2 D) memory for V, and for the helper
     N^2 forward and double-backward passes of the generator (``exact_jacobian``: N
     Jacobians, O(N D^3); small D only; the paper found it less accurate in 5-D, Table 5).
