@@ -454,10 +454,7 @@ class KernelRatioELBO(ImplicitELBO):
         after one step of weight ``rate`` (``moments`` ``None``: the start, ``(0, I)``)."""
         dim = z.shape[-1]
         eye = torch.eye(dim, dtype=z.dtype, device=z.device)
-        if moments is None:
-            mean, cov, tril = z.new_zeros(dim), eye, eye
-        else:
-            mean, cov, tril = moments
+        mean, cov = (z.new_zeros(dim), eye) if moments is None else moments[:2]
         centred = z - batch_mean
         batch_cov = centred.T @ centred / max(z.shape[0] - 1, 1)
         # shrunk towards its diagonal, so it stays well conditioned (as _fit_contrast)
@@ -817,11 +814,9 @@ def _preconditioner_marginal(preconditioners, group):
             "guides; give them one guide"
         )
     slices = [preconditioners[name][1] for name in group]
-    if slices[0].start == 0 and all(
-        a.stop == b.start for a, b in zip(slices, slices[1:], strict=False)
-    ):
-        if slices[-1].stop == pre.loc.numel():  # the whole packed vector, in order
-            return pre
+    contiguous = all(a.stop == b.start for a, b in zip(slices, slices[1:], strict=False))
+    if contiguous and slices[0].start == 0 and slices[-1].stop == pre.loc.numel():
+        return pre  # the whole packed vector, in order: nothing to marginalise
     index = torch.cat([torch.arange(sl.start, sl.stop) for sl in slices]).to(pre.loc.device)
     return pre.marginal(index)
 
