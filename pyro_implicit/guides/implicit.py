@@ -1,5 +1,6 @@
 """``ImplicitGuide``: a generator network as a Pyro guide, ``u = g_phi(eps)``."""
 
+import inspect
 import math
 
 import torch
@@ -38,7 +39,9 @@ class ImplicitGuide(ImplicitAutoGuide):
         correlated across sites; ``"mmnn"``: KIVI's matrix-multiplication generator for
         every site whose unconstrained value is a matrix (an MLP for the others), one per
         site (implies ``per_site=True``); or a callable ``f(noise_dim, latent_dim)``
-        returning an ``nn.Module`` generator (see :mod:`~pyro_implicit.guides.networks`).
+        returning an ``nn.Module`` generator (see :mod:`~pyro_implicit.guides.networks`;
+        one that also takes ``scaled`` is passed the guide's ``parametrization``, as
+        :func:`gpvi_generator`'s is).
     :param int noise_dim: noise size (default scaled to D: D up to 64, then slowly
         growing). With ``per_site=True`` it is the noise size per site (default scaled to
         each site).
@@ -158,7 +161,11 @@ class ImplicitGuide(ImplicitAutoGuide):
         spec = self._generator_spec
         if callable(spec) and not isinstance(spec, str):
             d = self._noise_dim_arg or default_noise_dim(self.latent_dim)
-            gen = spec(d, self.latent_dim)
+            if "scaled" in inspect.signature(spec).parameters:
+                # a factory that can build scaled layers gets the guide's parametrization
+                gen = spec(d, self.latent_dim, scaled=self.scaled_layers)
+            else:
+                gen = spec(d, self.latent_dim)
             for attr in ("noise_dim", "out_dim"):
                 if not hasattr(gen, attr):
                     raise TypeError(f"a custom generator must have attribute {attr!r}")
@@ -237,9 +244,19 @@ class SkipGenerator(nn.Module):
     :param tuple hidden_dims: hidden widths of g (default two layers, as ``ImplicitGuide``).
     :param str activation: hidden activation of g (ReLU in the paper).
     :param float skip_scale: :math:`\lambda` (paper: 1.0); 0 is allowed only when k = D.
+    :param bool scaled: g's layers as :class:`~pyro_implicit.guides.networks.ScaledLinear`
+        (an ``ImplicitGuide`` passes its ``parametrization``).
     """
 
-    def __init__(self, dim, active_dim=None, hidden_dims=None, activation="relu", skip_scale=1.0):
+    def __init__(
+        self,
+        dim,
+        active_dim=None,
+        hidden_dims=None,
+        activation="relu",
+        skip_scale=1.0,
+        scaled=False,
+    ):
         super().__init__()
         dim = int(dim)
         k = int(active_dim) if active_dim is not None else min(dim, default_noise_dim(dim))
@@ -254,7 +271,7 @@ class SkipGenerator(nn.Module):
         self.active_dim = k
         self.skip_scale = float(skip_scale)
         hidden = _default_hidden(k, dim) if hidden_dims is None else tuple(hidden_dims)
-        self.net = MLPGenerator(k, dim, hidden, activation)
+        self.net = MLPGenerator(k, dim, hidden, activation, scaled=scaled)
 
     #: the skip term alone gives the output spread lambda per coordinate (a guide that
     #: starts at its preconditioner's Gaussian initialises g small)
@@ -290,7 +307,7 @@ def gpvi_generator(active_dim=None, hidden_dims=None, activation="relu", skip_sc
     See :class:`SkipGenerator` for the arguments.
     """
 
-    def build(noise_dim, latent_dim):
-        return SkipGenerator(latent_dim, active_dim, hidden_dims, activation, skip_scale)
+    def build(noise_dim, latent_dim, scaled=False):
+        return SkipGenerator(latent_dim, active_dim, hidden_dims, activation, skip_scale, scaled)
 
     return build
