@@ -405,6 +405,31 @@ def test_the_loss_that_builds_the_guide_picks_its_layers(
     assert any(n.endswith("raw_weight") for n in names) is scaled
 
 
+@pytest.mark.parametrize(
+    "loss, parametrization, scaled",
+    [
+        ("GPVI_ELBO", "auto", True),  # GPVI asks for them (stochastic volatility ran away)
+        ("GPVI_ELBO", "standard", False),
+        ("AmortizedSVGD_ELBO", "auto", False),
+    ],
+)
+def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametrization, scaled):
+    """``gpvi_generator()`` is a factory, not the default MLP: the guide passes it the
+    parametrization it resolved, so GPVI's skip generator gets scaled layers as well."""
+    import pyro_implicit
+    from pyro_implicit.guides.implicit import gpvi_generator
+
+    pyro.clear_param_store()
+    guide = ImplicitGuide(
+        _two_coefficients, generator=gpvi_generator(), parametrization=parametrization
+    )
+    elbo = getattr(pyro_implicit, loss)(num_particles=10)
+    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
+    assert guide.scaled_layers is scaled
+    names = list(pyro.get_param_store().keys())
+    assert any(n.endswith("raw_weight") for n in names) is scaled
+
+
 def _kivi_trained_guide():
     """An ``ImplicitGuide`` after one ``KernelRatioELBO`` step: built with scaled layers."""
     pyro.clear_param_store()
