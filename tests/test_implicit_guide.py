@@ -424,8 +424,9 @@ def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametriza
         _two_coefficients, generator=gpvi_generator(), parametrization=parametrization
     )
     elbo = getattr(pyro_implicit, loss)(num_particles=10)
-    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
+    elbo.loss(_two_coefficients, guide)  # a first call that only evaluates builds it too
     assert guide.scaled_layers is scaled
+    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
     names = list(pyro.get_param_store().keys())
     assert any(n.endswith("raw_weight") for n in names) is scaled
 
