@@ -13,7 +13,7 @@ each arm in turn, the rest of the code path being the library's:
   (lr 1e-2) from the preconditioner's Gaussian, on the stochastic-volatility posterior;
 * **stiff**: ``benchmarks/stiff.py``'s fit (compare's settings, 2000 steps of Adam(1e-2),
   float64) on its eight posteriors, largest mean error and sd-ratio range against NUTS;
-* **exact** (``kivi``, ``gpvi`` and ``asvgd``): ``benchmarks/exact_defaults.py``'s five
+* **exact** (every loss but ``stein_score``): ``benchmarks/exact_defaults.py``'s five
   exact posteriors with the constructors' defaults (float32), how many pass the bar.
 
 Usage::
@@ -32,13 +32,20 @@ import stiff
 import torch
 from pyro.infer import SVI
 
-from pyro_implicit import GPVI_ELBO, AmortizedSVGD_ELBO, KernelRatioELBO, SteinScoreELBO
+from pyro_implicit import (
+    GPVI_ELBO,
+    SIVI_ELBO,
+    AmortizedSVGD_ELBO,
+    KernelRatioELBO,
+    SteinScoreELBO,
+)
 
 LOSSES = {
     "kivi": KernelRatioELBO,
     "stein_score": SteinScoreELBO,
     "gpvi": GPVI_ELBO,
     "asvgd": AmortizedSVGD_ELBO,
+    "sivi": SIVI_ELBO,
 }
 ARMS = ("standard", "scaled")
 
@@ -143,7 +150,7 @@ def main(argv=None):
             + ", ".join(f"{arm} {over[arm]} of {total}" for arm in ARMS)
             + ".",
         ]
-        if method in ("kivi", "gpvi", "asvgd"):
+        if method in ("kivi", "gpvi", "asvgd", "sivi"):
             lines += [
                 "",
                 "Exact posteriors (float32, constructors' defaults), passing the bar:",
