@@ -13,6 +13,15 @@ from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
 __all__ = ["ImplicitGuide", "SkipGenerator", "gpvi_generator"]
 
 
+def _takes_keyword(fn, name):
+    """Whether ``fn`` accepts the keyword argument ``name`` (False when its signature
+    cannot be read, e.g. a builtin)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _default_hidden(noise_dim, out_dim):
     width = int(min(512, max(32, 2 * max(noise_dim, min(out_dim, 256)))))
     return (width, width)
@@ -161,7 +170,7 @@ class ImplicitGuide(ImplicitAutoGuide):
         spec = self._generator_spec
         if callable(spec) and not isinstance(spec, str):
             d = self._noise_dim_arg or default_noise_dim(self.latent_dim)
-            if "scaled" in inspect.signature(spec).parameters:
+            if _takes_keyword(spec, "scaled"):
                 # a factory that can build scaled layers gets the guide's parametrization
                 gen = spec(d, self.latent_dim, scaled=self.scaled_layers)
             else:
