@@ -392,13 +392,23 @@ def _two_coefficients():
 def test_the_loss_that_builds_the_guide_picks_its_layers(
     loss, precondition, parametrization, scaled
 ):
-    import pyro_implicit
-
     pyro.clear_param_store()
     guide = ImplicitGuide(
         _two_coefficients, precondition=precondition, parametrization=parametrization
     )
+    _check_built_layers(guide, loss, scaled)
+
+
+def _check_built_layers(guide, loss, scaled, evaluate_first=False):
+    """The guide, first run by the loss named ``loss`` (a ``loss()`` evaluation, then one
+    SVI step, with ``evaluate_first``; else the step alone), has scaled layers iff
+    ``scaled``, in its attribute and in the parameters it stored."""
+    import pyro_implicit
+
     elbo = getattr(pyro_implicit, loss)(num_particles=10)
+    if evaluate_first:
+        elbo.loss(_two_coefficients, guide)  # a first call that only evaluates builds it too
+        assert guide.scaled_layers is scaled
     SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
     assert guide.scaled_layers is scaled
     names = list(pyro.get_param_store().keys())
@@ -416,19 +426,13 @@ def test_the_loss_that_builds_the_guide_picks_its_layers(
 def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametrization, scaled):
     """``gpvi_generator()`` is a factory, not the default MLP: the guide passes it the
     parametrization it resolved, so GPVI's skip generator gets scaled layers as well."""
-    import pyro_implicit
     from pyro_implicit.guides.implicit import gpvi_generator
 
     pyro.clear_param_store()
     guide = ImplicitGuide(
         _two_coefficients, generator=gpvi_generator(), parametrization=parametrization
     )
-    elbo = getattr(pyro_implicit, loss)(num_particles=10)
-    elbo.loss(_two_coefficients, guide)  # a first call that only evaluates builds it too
-    assert guide.scaled_layers is scaled
-    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
-    names = list(pyro.get_param_store().keys())
-    assert any(n.endswith("raw_weight") for n in names) is scaled
+    _check_built_layers(guide, loss, scaled, evaluate_first=True)
 
 
 def _kivi_trained_guide():
