@@ -34,6 +34,7 @@ from pyro.infer import SVI
 
 from pyro_implicit import (
     GPVI_ELBO,
+    LIVI_ELBO,
     SIVI_ELBO,
     AmortizedSVGD_ELBO,
     KernelRatioELBO,
@@ -46,6 +47,7 @@ LOSSES = {
     "gpvi": GPVI_ELBO,
     "asvgd": AmortizedSVGD_ELBO,
     "sivi": SIVI_ELBO,
+    "livi": LIVI_ELBO,
 }
 ARMS = ("standard", "scaled")
 
