@@ -152,14 +152,14 @@ def main(argv=None):
             + ", ".join(f"{arm} {over[arm]} of {total}" for arm in ARMS)
             + ".",
         ]
-        if method in ("kivi", "gpvi", "asvgd", "sivi"):
+        if method in ("kivi", "gpvi", "asvgd", "sivi", "livi"):
             lines += [
                 "",
                 "Exact posteriors (float32, constructors' defaults), passing the bar:",
                 "",
             ]
             for arm in ARMS:
-                passed, worst = 0, 0.0
+                passed, worst, worst_corr = 0, 0.0, 0.0
                 n = 0
                 with asking_for(method, arm):
                     for seed in seeds:
@@ -176,7 +176,11 @@ def main(argv=None):
                         passed += sum(r["passes"] for r in rows)
                         n += len(rows)
                         worst = max([worst] + [r["mean_error"] for r in rows])
-                lines.append(f"- {arm}: {passed} of {n} (worst mean error {worst:.2f} sd)")
+                        worst_corr = max([worst_corr] + [r["correlation_error"] for r in rows])
+                lines.append(
+                    f"- {arm}: {passed} of {n} (worst mean error {worst:.2f} sd, worst "
+                    f"correlation error {worst_corr:.3f})"
+                )
                 print(lines[-1], flush=True)
     _provenance.write_result("\n".join(lines) + "\n", args.out)
 

@@ -27,24 +27,10 @@ def _setup():
     torch.set_default_dtype(dtype)
 
 
-#: fits that miss the bar in the recorded run: LIVI's linearised entropy leaves its fit
-#: moving near the bar (correlation error 0.11 on the regression at seed 0; see
-#: benchmarks/results/exact_defaults.md). Not strict: other seeds pass.
-NEAR_THE_BAR = {("livi", "correlated_blr"), ("livi", "raw_blr")}
-
-
-def _cases():
-    for method in METHODS:
-        for problem in EXACT_PROBLEMS:
-            marks = ()
-            if (method, problem) in NEAR_THE_BAR:
-                marks = pytest.mark.xfail(
-                    reason="LIVI's correlation error 0.11 > 0.1", strict=False
-                )
-            yield pytest.param(method, problem, marks=marks, id=f"{method}-{problem}")
-
-
-@pytest.mark.parametrize("method, problem", list(_cases()))
+@pytest.mark.parametrize(
+    "method, problem",
+    [pytest.param(m, p, id=f"{m}-{p}") for m in METHODS for p in EXACT_PROBLEMS],
+)
 def test_defaults_recover_the_exact_posterior(method, problem, load_benchmark):
     # the recorded run's code path, seed and dtype (float32, a user's default)
     bench = load_benchmark("exact_defaults")

@@ -10,7 +10,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_value
 
-from pyro_implicit import ImplicitGuide, KernelRatioELBO, VectorizationError
+from pyro_implicit import ImplicitGuide, KernelRatioELBO, LinearizedGuide, VectorizationError
 from pyro_implicit.guides import ImplicitDelta
 
 
@@ -433,6 +433,14 @@ def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametriza
         _two_coefficients, generator=gpvi_generator(), parametrization=parametrization
     )
     _check_built_layers(guide, loss, scaled, evaluate_first=True)
+
+
+@pytest.mark.parametrize("parametrization, scaled", [("auto", True), ("standard", False)])
+def test_livi_asks_its_linearized_guide_for_scaled_layers(parametrization, scaled):
+    """LIVI's generator, whose Jacobian enters the entropy, gets the layers too."""
+    pyro.clear_param_store()
+    guide = LinearizedGuide(_two_coefficients, parametrization=parametrization)
+    _check_built_layers(guide, "LIVI_ELBO", scaled, evaluate_first=True)
 
 
 def _kivi_trained_guide():

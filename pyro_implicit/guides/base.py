@@ -143,8 +143,8 @@ class ImplicitAutoGuide(AutoContinuous):
         that one Adam step cannot move q by a layer width's worth of learning rates) or
         ``"auto"`` (default): what the loss that first runs the guide asks for
         (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`:
-        ``KernelRatioELBO`` and ``GPVI_ELBO`` ask for scaled layers, the other losses for
-        standard ones),
+        ``KernelRatioELBO``, ``GPVI_ELBO`` and ``LIVI_ELBO`` ask for scaled layers, the
+        other losses for standard ones),
         with a preconditioner; standard without one (the papers' raw-space generators).
     """
 
