@@ -325,6 +325,20 @@ class LIVI_ELBO(ImplicitELBO):
     largest relative eigen-``residual`` (large values mean ``num_iterations`` is too
     small and :math:`s_1` is over-estimated).
 
+    **The guide's layers.** A guide of this library built by this loss (its first call,
+    ``parametrization="auto"``, in whitened coordinates) gets scaled generator layers
+    (:class:`~pyro_implicit.guides.networks.ScaledLinear`). With standard layers, under
+    ``Adam(1e-2)`` the fit's final iterate kept moving near the exact-posterior bar: 4 of
+    20 default fits of the exact posteriors missed it at seeds 0-3 (correlation errors up
+    to 0.112). With scaled layers all 20 passed. On the stiff posteriors scaled layers are
+    closer on the regressions, the GP and stochastic volatility (0.25-0.29 sds off
+    against 0.22-0.51). They are slower to widen into a funnel or a banana: the centred
+    eight schools ends 0.19-0.49 sds off against 0.08-0.34, Neal's funnel 0.05-0.22
+    against 0.03-0.12 and the banana 0.40-0.44 against 0.28-0.32
+    (``benchmarks/results/livi_parametrization.md``). Build the guide with
+    ``parametrization="standard"`` for such posteriors, or non-centre the model. The
+    papers' raw-space generators (``precondition=False``) keep standard layers.
+
     **Guide protocol** (capability ``"jacobian"``): the implicit latent site's
     ``infer["pyro_implicit"]`` record names its guide and, under ``"base_site"``, an
     auxiliary site holding the z of each draw (shape ``(..., d)``); the guide exposes
@@ -376,10 +390,8 @@ class LIVI_ELBO(ImplicitELBO):
     )
     min_particles = 1  # each draw's linearised entropy stands alone
 
-    # scaled layers: with standard ones the fit's final iterate under Adam(1e-2) wandered
-    # near the exact-posterior bar (4 of 20 fits missed it at seeds 0-3, correlation
-    # error up to 0.112), with scaled ones 20 of 20 passed, the largest correlation error
-    # 0.044 (benchmarks/results/livi_parametrization.md)
+    # scaled layers: with standard ones the final iterate wandered near the exact-posterior
+    # bar (see the class docstring; benchmarks/results/livi_parametrization.md)
     guide_parametrization = "scaled"
 
     def __init__(
