@@ -167,6 +167,13 @@ def test_det_bound_gradient_matches_the_full_size_log_det(d, out_dim):
         assert torch.allclose(got, want, rtol=1e-8, atol=1e-10)
 
 
+def test_det_bound_refuses_a_sigma_that_asks_for_a_gradient():
+    gen = MLPGenerator(3, 5, (8,), "elu")
+    sigma = torch.tensor(0.1, requires_grad=True)
+    with pytest.raises(ValueError, match="fixed number"):
+        linearized_entropy(gen, torch.randn(4, 3), sigma, bound="det")
+
+
 # --------------------------------------------------------------------------- the ELBO
 def test_conjugate_linear_regression_elbo_and_posterior():
     data = torch.Generator().manual_seed(0)
