@@ -49,7 +49,8 @@ LOSSES = {
     "sivi": SIVI_ELBO,
     "livi": LIVI_ELBO,
 }
-ARMS = ("standard", "scaled")
+#: the layers compared (``--arms``); ``"ntk"``: scaled, with 1/sqrt(width) at the output
+ARMS = ("standard", "scaled", "ntk")
 
 
 @contextlib.contextmanager
@@ -92,11 +93,16 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2,3")
     parser.add_argument("--models", default=",".join(stiff.MODELS))
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--arms", default="standard,scaled")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     prov = _provenance.provenance(__file__, argv, vars(args))
     seeds = [int(s) for s in args.seeds.split(",")]
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        parser.error(f"--arms: unknown {sorted(unknown)}; choose from {ARMS}")
     models = args.models.split(",")
     lines = [
         "# Standard against scaled generator layers",
@@ -109,7 +115,7 @@ def main(argv=None):
     for method in args.methods.split(","):
         lines += ["", f"## {method}", ""]
         shifts = {}
-        for arm in ARMS:
+        for arm in arms:
             with asking_for(method, arm):
                 shifts[arm] = one_step_shift(method)
         lines.append(
@@ -120,17 +126,17 @@ def main(argv=None):
         )
         lines += [
             "",
-            "| model | seed | " + " | ".join(ARMS) + " |",
-            "|---|---:|" + "---|" * len(ARMS),
+            "| model | seed | " + " | ".join(arms) + " |",
+            "|---|---:|" + "---|" * len(arms),
         ]
-        over = {arm: 0 for arm in ARMS}
+        over = {arm: 0 for arm in arms}
         total = 0
         for name in models:
             reference, _ = stiff.load_reference(name)
             for seed in seeds:
                 cells = []
                 total += 1
-                for arm in ARMS:
+                for arm in arms:
                     torch.set_default_dtype(torch.float64)
                     with asking_for(method, arm):
                         row = stiff.fit_one(
@@ -149,7 +155,7 @@ def main(argv=None):
         lines += [
             "",
             "Fits more than 1 sd off or stopped: "
-            + ", ".join(f"{arm} {over[arm]} of {total}" for arm in ARMS)
+            + ", ".join(f"{arm} {over[arm]} of {total}" for arm in arms)
             + ".",
         ]
         if method in ("kivi", "gpvi", "asvgd", "sivi", "livi"):
@@ -158,7 +164,7 @@ def main(argv=None):
                 "Exact posteriors (float32, constructors' defaults), passing the bar:",
                 "",
             ]
-            for arm in ARMS:
+            for arm in arms:
                 passed, worst, worst_corr = 0, 0.0, 0.0
                 n = 0
                 with asking_for(method, arm):

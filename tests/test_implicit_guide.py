@@ -380,50 +380,56 @@ def _two_coefficients():
 
 
 @pytest.mark.parametrize(
-    "loss, precondition, parametrization, scaled",
+    "loss, precondition, parametrization, layers",
     [
-        ("KernelRatioELBO", True, "auto", True),  # the ratio estimate asks for them
-        ("SteinScoreELBO", True, "auto", False),
-        ("KernelRatioELBO", False, "auto", False),  # raw space: the paper's generator
-        ("KernelRatioELBO", True, "standard", False),
-        ("SteinScoreELBO", True, "scaled", True),
+        ("KernelRatioELBO", True, "auto", "scaled"),  # the ratio estimate asks for them
+        ("SteinScoreELBO", True, "auto", "standard"),
+        ("KernelRatioELBO", False, "auto", "standard"),  # raw space: the paper's generator
+        ("KernelRatioELBO", True, "standard", "standard"),
+        ("SteinScoreELBO", True, "scaled", "scaled"),
+        ("SteinScoreELBO", True, "ntk", "ntk"),
     ],
 )
 def test_the_loss_that_builds_the_guide_picks_its_layers(
-    loss, precondition, parametrization, scaled
+    loss, precondition, parametrization, layers
 ):
     pyro.clear_param_store()
     guide = ImplicitGuide(
         _two_coefficients, precondition=precondition, parametrization=parametrization
     )
-    _check_built_layers(guide, loss, scaled)
+    _check_built_layers(guide, loss, layers)
 
 
-def _check_built_layers(guide, loss, scaled, evaluate_first=False):
+def _check_built_layers(guide, loss, layers, evaluate_first=False):
     """The guide, first run by the loss named ``loss`` (a ``loss()`` evaluation, then one
-    SVI step, with ``evaluate_first``; else the step alone), has scaled layers iff
-    ``scaled``, in its attribute and in the parameters it stored."""
+    SVI step, with ``evaluate_first``; else the step alone), has ``layers``, in its
+    attribute, in the parameters it stored and in its generator's output multiplier."""
     import pyro_implicit
 
     elbo = getattr(pyro_implicit, loss)(num_particles=10)
     if evaluate_first:
         elbo.loss(_two_coefficients, guide)  # a first call that only evaluates builds it too
-        assert guide.scaled_layers is scaled
+        assert guide.layers == layers
     SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), elbo).step()
-    assert guide.scaled_layers is scaled
+    assert guide.layers == layers
+    assert guide.scaled_layers is (layers != "standard")
     names = list(pyro.get_param_store().keys())
-    assert any(n.endswith("raw_weight") for n in names) is scaled
+    assert any(n.endswith("raw_weight") for n in names) is (layers != "standard")
+    generator = getattr(guide.generator, "net", guide.generator)  # gpvi's skip generator
+    width = generator.output.in_features
+    expected = {"standard": None, "scaled": 1.0 / width, "ntk": width**-0.5}[layers]
+    assert getattr(generator.output, "multiplier", None) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
-    "loss, parametrization, scaled",
+    "loss, parametrization, layers",
     [
-        ("GPVI_ELBO", "auto", True),  # GPVI asks for them (stochastic volatility ran away)
-        ("GPVI_ELBO", "standard", False),
-        ("AmortizedSVGD_ELBO", "auto", False),
+        ("GPVI_ELBO", "auto", "scaled"),  # GPVI asks for them (stochastic volatility ran away)
+        ("GPVI_ELBO", "standard", "standard"),
+        ("AmortizedSVGD_ELBO", "auto", "standard"),
     ],
 )
-def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametrization, scaled):
+def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametrization, layers):
     """``gpvi_generator()`` is a factory, not the default MLP: the guide passes it the
     parametrization it resolved, so GPVI's skip generator gets scaled layers as well."""
     from pyro_implicit.guides.implicit import gpvi_generator
@@ -432,15 +438,18 @@ def test_a_generator_factory_gets_the_layers_its_loss_asks_for(loss, parametriza
     guide = ImplicitGuide(
         _two_coefficients, generator=gpvi_generator(), parametrization=parametrization
     )
-    _check_built_layers(guide, loss, scaled, evaluate_first=True)
+    _check_built_layers(guide, loss, layers, evaluate_first=True)
 
 
-@pytest.mark.parametrize("parametrization, scaled", [("auto", True), ("standard", False)])
-def test_livi_asks_its_linearized_guide_for_scaled_layers(parametrization, scaled):
-    """LIVI's generator, whose Jacobian enters the entropy, gets the layers too."""
+@pytest.mark.parametrize(
+    "parametrization, layers",
+    [("auto", "ntk"), ("standard", "standard"), ("scaled", "scaled")],
+)
+def test_livi_asks_its_linearized_guide_for_ntk_layers(parametrization, layers):
+    """LIVI's generator, whose Jacobian enters the entropy, gets its own layers."""
     pyro.clear_param_store()
     guide = LinearizedGuide(_two_coefficients, parametrization=parametrization)
-    _check_built_layers(guide, "LIVI_ELBO", scaled, evaluate_first=True)
+    _check_built_layers(guide, "LIVI_ELBO", layers, evaluate_first=True)
 
 
 def _kivi_trained_guide():
@@ -484,6 +493,49 @@ def test_a_guide_loaded_from_a_state_dict_keeps_its_scaled_layers():
     draws = guide.sample_posterior(5)["x"]
     pyro.set_rng_seed(1)
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+
+
+def _livi_trained_guide():
+    """A ``LinearizedGuide`` after one ``LIVI_ELBO`` step: built with ntk layers."""
+    from pyro_implicit import LIVI_ELBO
+
+    pyro.clear_param_store()
+    guide = LinearizedGuide(_two_coefficients)
+    SVI(_two_coefficients, guide, pyro.optim.Adam({"lr": 1e-2}), LIVI_ELBO()).step()
+    assert guide.layers == "ntk"
+    return guide
+
+
+@pytest.mark.parametrize("path", ["param_store", "state_dict"])
+def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
+    # scaled and ntk layers store the same parameter names: the saved code tells them apart
+    guide = _livi_trained_guide()
+    pyro.set_rng_seed(1)
+    draws = guide.sample_posterior(5)["x"]
+    state = guide.state_dict()
+    pyro.get_param_store().save(tmp_path / "store.pt")
+    pyro.clear_param_store()
+    restored = LinearizedGuide(_two_coefficients)
+    if path == "param_store":
+        pyro.get_param_store().load(tmp_path / "store.pt")
+    else:
+        restored.load_state_dict(state)
+    restored()  # built outside any loss
+    assert restored.layers == "ntk"
+    pyro.set_rng_seed(1)
+    torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+
+
+def test_weights_saved_with_other_layers_are_refused():
+    state = _livi_trained_guide().state_dict()
+    pyro.clear_param_store()
+    restored = LinearizedGuide(_two_coefficients, parametrization="scaled")
+    restored.load_state_dict(state)
+    with pytest.raises(ValueError, match="parametrization='ntk'"):
+        restored()
+    built = _kivi_trained_guide()  # scaled layers, built: the check after the first call
+    with pytest.raises(ValueError, match="'ntk' layers"):
+        built.load_state_dict({**built.state_dict(), "layer_code": state["layer_code"]})
 
 
 def _hierarchical_normal():

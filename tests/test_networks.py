@@ -63,12 +63,27 @@ def test_scaled_layers_are_the_same_function_with_the_exact_jacobian(skip):
     torch.testing.assert_close(scaled.jacobian(noise), jac)
 
 
+def test_ntk_layers_are_the_same_function_with_the_exact_jacobian():
+    torch.manual_seed(0)
+    plain = MLPGenerator(5, 7, hidden_dims=(16, 16), activation="elu")
+    torch.manual_seed(0)
+    ntk = MLPGenerator(5, 7, hidden_dims=(16, 16), activation="elu", scaled="ntk")
+    noise = torch.randn(9, 5)
+    torch.testing.assert_close(ntk(noise), plain(noise))
+    assert ntk.output.multiplier == pytest.approx(16**-0.5)
+    assert ntk.hidden[2].multiplier == pytest.approx(16**-0.5)
+    jac = torch.func.vmap(torch.func.jacrev(ntk))(noise)
+    torch.testing.assert_close(ntk.jacobian(noise), jac)
+    with pytest.raises(ValueError, match="scaled must be one of"):
+        MLPGenerator(5, 7, (16,), scaled="mup")
+
+
 def test_one_adam_step_moves_scaled_layers_far_less_than_standard_ones():
     # the first Adam step moves every stored value by lr in the sign of its gradient: a
     # standard layer's outputs then move by up to fan-in learning rates (here 7 output sds;
-    # scaled layers 0.7)
+    # scaled layers 0.7); ntk layers in between (up to sqrt(fan-in) of them)
     moves = {}
-    for scaled in (False, True):
+    for scaled in (False, True, "ntk"):
         torch.manual_seed(0)
         gen = MLPGenerator(10, 10, hidden_dims=(256, 256), activation="elu", scaled=scaled)
         gen.init_output(torch.zeros(10), 1.0)
@@ -79,3 +94,4 @@ def test_one_adam_step_moves_scaled_layers_far_less_than_standard_ones():
         optim.step()
         moves[scaled] = (gen(noise).mean(0).detach() - before).abs().max().item()
     assert moves[False] > 2.0 and moves[True] < moves[False] / 5
+    assert moves[True] < moves["ntk"] < moves[False]

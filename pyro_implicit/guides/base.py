@@ -37,7 +37,11 @@ from ..latent import LatentSpace, Preconditioner, resolve_precondition
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
 
 #: the ``parametrization`` values of the guides (see :class:`ImplicitAutoGuide`)
-PARAMETRIZATIONS = ("auto", "standard", "scaled")
+PARAMETRIZATIONS = ("auto", "standard", "scaled", "ntk")
+
+#: a built guide's layers, as :class:`~pyro_implicit.guides.networks.MLPGenerator`'s
+#: ``scaled`` and as the code saved with its parameters (see ``_store_layers``)
+_LAYERS = {"standard": (False, 0.0), "scaled": (True, 1.0), "ntk": ("ntk", 2.0)}
 
 # what the loss now running a guide asks of a guide built during its step (see
 # :func:`requested_parametrization`)
@@ -48,7 +52,7 @@ _REQUESTED_PARAMETRIZATION = contextvars.ContextVar("requested_parametrization",
 def requested_parametrization(value):
     """Within the block, a guide with ``parametrization="auto"`` that builds its sampler
     (its first call) and has a preconditioner uses ``value`` (``"standard"``,
-    ``"scaled"`` or ``None``: the guide's own default). The losses run their steps inside
+    ``"scaled"``, ``"ntk"`` or ``None``: the guide's own default). The losses run their steps inside
     it with their :attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`."""
     token = _REQUESTED_PARAMETRIZATION.set(value)
     try:
@@ -140,11 +144,13 @@ class ImplicitAutoGuide(AutoContinuous):
     :param str parametrization: how the default MLP stores its weights: ``"standard"``
         (PyTorch's ``nn.Linear``), ``"scaled"`` (each weight a fixed multiple of an
         order-one parameter, :class:`~pyro_implicit.guides.networks.ScaledLinear`, so
-        that one Adam step cannot move q by a layer width's worth of learning rates) or
-        ``"auto"`` (default): what the loss that first runs the guide asks for
+        that one Adam step cannot move q by a layer width's worth of learning rates),
+        ``"ntk"`` (the same, but the output's multiplier 1/sqrt(fan-in) instead of
+        1/fan-in: a step moves q by up to sqrt(width) learning rates) or ``"auto"``
+        (default): what the loss that first runs the guide asks for
         (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`:
-        ``KernelRatioELBO``, ``GPVI_ELBO`` and ``LIVI_ELBO`` ask for scaled layers, the
-        other losses for standard ones),
+        ``KernelRatioELBO`` and ``GPVI_ELBO`` ask for scaled layers, ``LIVI_ELBO`` for
+        ntk ones, the other losses for standard ones),
         with a preconditioner; standard without one (the papers' raw-space generators).
     """
 
@@ -221,7 +227,12 @@ class ImplicitAutoGuide(AutoContinuous):
             self.preconditioner = _preconditioner_from_state(pending[0], init_loc)
         else:
             self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
-        self._scaled_layers = self._resolve_scaled_layers(pending)
+        self._layers = self._resolve_layers(pending)
+        # saved with the parameters: scaled and ntk layers store the same names
+        self.register_buffer("layer_code", init_loc.new_tensor(_LAYERS[self._layers][1]))
+        if pending is not None:
+            self._check_saved_layers(pending[0])
+            pending[0].setdefault("layer_code", self.layer_code.clone())
         if self.preconditioner.is_identity:
             self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
             self._build_sampler(init_loc)
@@ -235,6 +246,7 @@ class ImplicitAutoGuide(AutoContinuous):
         # store loaded from a file restores them (and a loaded state_dict fills the store)
         self._sync_param_store(pull=pending is None)
         self._store_preconditioner()
+        self._store_layers()
 
     @property
     def whitened(self):
@@ -244,25 +256,54 @@ class ImplicitAutoGuide(AutoContinuous):
     @property
     def scaled_layers(self):
         """Whether the default MLP's layers are
-        :class:`~pyro_implicit.guides.networks.ScaledLinear` (``parametrization``,
-        decided when the sampler is built)."""
-        return self._scaled_layers
+        :class:`~pyro_implicit.guides.networks.ScaledLinear` (``parametrization``
+        ``"scaled"`` or ``"ntk"``, decided when the sampler is built)."""
+        return self._layers != "standard"
 
-    def _resolve_scaled_layers(self, pending=None):
+    @property
+    def layers(self):
+        """The default MLP's parametrization, ``"standard"``, ``"scaled"`` or ``"ntk"``
+        (decided when the sampler is built)."""
+        return self._layers
+
+    def _scaled_keyword(self):
+        """:class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled`` for these
+        layers."""
+        return _LAYERS[self._layers][0]
+
+    def _resolve_layers(self, pending=None):
         if self._parametrization_arg != "auto":
-            return self._parametrization_arg == "scaled"
+            return self._parametrization_arg
         # a trained guide being restored keeps the layers it was trained with
         if pending is not None:
-            names = list(pending[0])
+            saved = dict(pending[0])
         else:
             prefix = self._store_name("")
-            names = [k for k in pyro.get_param_store().keys() if k.startswith(prefix)]
-        saved = [k for k in names if "preconditioner" not in k]
-        if saved:
-            return any(k.endswith("raw_weight") for k in saved)
+            store = pyro.get_param_store()
+            saved = {k[len(prefix) :]: store[k] for k in store.keys() if k.startswith(prefix)}
+        code = saved.pop("layer_code", None)
+        if code is not None:
+            return _layers_of(code)
+        weights = [k for k in saved if "preconditioner" not in k]
+        if weights:  # saved before the code was: raw weights mean scaled layers
+            return "scaled" if any(k.endswith("raw_weight") for k in weights) else "standard"
         # auto: what the loss building the guide asks for, in whitened coordinates only
         # (the papers' raw-space generators stay as published)
-        return self.whitened and _REQUESTED_PARAMETRIZATION.get() == "scaled"
+        requested = _REQUESTED_PARAMETRIZATION.get()
+        return requested if self.whitened and requested in ("scaled", "ntk") else "standard"
+
+    def _check_saved_layers(self, state):
+        """Refuse saved weights of other layers (same names, other multipliers)."""
+        code = state.get("layer_code")
+        if code is None:
+            return
+        saved = _layers_of(code)
+        if saved != self._layers:
+            raise ValueError(
+                f"this state was saved from a {type(self).__name__} with {saved!r} layers, "
+                f"but this guide has {self._layers!r} ones: build it with "
+                f"parametrization={saved!r} (or 'auto')"
+            )
 
     def latent_space(self, *args, **kwargs):
         """The model's packed latent space (:class:`~pyro_implicit.latent.LatentSpace`),
@@ -381,6 +422,11 @@ class ImplicitAutoGuide(AutoContinuous):
             elif name in store:
                 del store[name]
 
+    def _store_layers(self):
+        """Save the layers' code with the param store (never optimised), so that ``load``
+        restores the layers, not only their stored parameters."""
+        pyro.get_param_store()[self._store_name("layer_code")] = self.layer_code.detach().clone()
+
     def forward(self, *args, **kwargs):
         if self.prototype_trace is not None:
             # a store loaded into a live guide replaces the tensors: read them, as a
@@ -400,6 +446,9 @@ class ImplicitAutoGuide(AutoContinuous):
         if self.prototype_trace is None:
             self._pending_state = (dict(state_dict), strict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
+        self._check_saved_layers(state_dict)
+        if "layer_code" not in state_dict:  # saved before the code was
+            state_dict = {**state_dict, "layer_code": self.layer_code.clone()}
         ref = self._noise_reference
         saved = _preconditioner_from_state(state_dict, ref)
         current = self.preconditioner
@@ -411,6 +460,7 @@ class ImplicitAutoGuide(AutoContinuous):
         result = super().load_state_dict(state_dict, strict=strict)
         self._sync_param_store(pull=False)
         self._store_preconditioner()
+        self._store_layers()
         return result
 
     def _build_sampler(self, init_loc):
@@ -587,6 +637,11 @@ def default_noise_dim(latent_dim):
     if latent_dim <= 64:
         return max(latent_dim, 2)
     return int(min(128, 64 + 8 * math.log2(latent_dim / 64)))
+
+
+def _layers_of(code):
+    """The layers a saved ``layer_code`` stands for."""
+    return next(k for k, (_, c) in _LAYERS.items() if c == float(torch.as_tensor(code).detach()))
 
 
 def _preconditioner_from_state(state_dict, like):

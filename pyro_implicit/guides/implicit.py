@@ -49,8 +49,9 @@ class ImplicitGuide(ImplicitAutoGuide):
         every site whose unconstrained value is a matrix (an MLP for the others), one per
         site (implies ``per_site=True``); or a callable ``f(noise_dim, latent_dim)``
         returning an ``nn.Module`` generator (see :mod:`~pyro_implicit.guides.networks`;
-        one that also takes ``scaled`` is passed the guide's ``parametrization``, as
-        :func:`gpvi_generator`'s is).
+        one that also takes ``scaled`` is passed the guide's layers as
+        :class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled``, ``False``,
+        ``True`` or ``"ntk"``, as :func:`gpvi_generator`'s is).
     :param int noise_dim: noise size (default scaled to D: D up to 64, then slowly
         growing). With ``per_site=True`` it is the noise size per site (default scaled to
         each site).
@@ -134,7 +135,7 @@ class ImplicitGuide(ImplicitAutoGuide):
             hidden = _default_hidden(d, out_dim)
         # whitened: a residual on the identity, so q starts at the preconditioner's Gaussian
         return MLPGenerator(
-            d, out_dim, hidden, self._activation, skip=self.whitened, scaled=self.scaled_layers
+            d, out_dim, hidden, self._activation, skip=self.whitened, scaled=self._scaled_keyword()
         )
 
     def _mmnn(self, shape):
@@ -172,7 +173,7 @@ class ImplicitGuide(ImplicitAutoGuide):
             d = self._noise_dim_arg or default_noise_dim(self.latent_dim)
             if _takes_keyword(spec, "scaled"):
                 # a factory that can build scaled layers gets the guide's parametrization
-                gen = spec(d, self.latent_dim, scaled=self.scaled_layers)
+                gen = spec(d, self.latent_dim, scaled=self._scaled_keyword())
             else:
                 gen = spec(d, self.latent_dim)
             for attr in ("noise_dim", "out_dim"):
@@ -253,8 +254,8 @@ class SkipGenerator(nn.Module):
     :param tuple hidden_dims: hidden widths of g (default two layers, as ``ImplicitGuide``).
     :param str activation: hidden activation of g (ReLU in the paper).
     :param float skip_scale: :math:`\lambda` (paper: 1.0); 0 is allowed only when k = D.
-    :param bool scaled: g's layers as :class:`~pyro_implicit.guides.networks.ScaledLinear`
-        (an ``ImplicitGuide`` passes its ``parametrization``).
+    :param scaled: g's layers, as :class:`~pyro_implicit.guides.networks.MLPGenerator`'s
+        ``scaled`` (an ``ImplicitGuide`` passes its ``parametrization``).
     """
 
     def __init__(

@@ -174,7 +174,7 @@ class LinearizedGuide(ImplicitAutoGuide):
                 hidden = _default_hidden(d, dim)
             # whitened: a residual on the identity, so q starts at the Gaussian fit
             gen = MLPGenerator(
-                d, dim, hidden, self._activation, skip=self.whitened, scaled=self.scaled_layers
+                d, dim, hidden, self._activation, skip=self.whitened, scaled=self._scaled_keyword()
             )
         if gen.out_dim != dim:
             raise ValueError(

@@ -103,6 +103,10 @@ def _rescale_to_spread(module, scale_param, bias_param, loc, scale, num_probe=No
     bias_param.copy_(loc.reshape(bias_param.shape) - offset)
 
 
+#: the values of :class:`MLPGenerator`'s ``scaled``
+SCALED_LAYERS = (False, True, "ntk")
+
+
 class MLPGenerator(nn.Module):
     """Fully connected generator ``u = W_L a(... a(W_1 eps + b_1) ...) + b_L``.
 
@@ -116,9 +120,12 @@ class MLPGenerator(nn.Module):
         on top of a Gaussian; :meth:`init_output` then starts the residual near zero on
         those k coordinates, so the pushforward starts at :math:`N(loc, scale^2 I)`
         (the preconditioned guides' start at their Gaussian fit).
-    :param bool scaled: every layer a :class:`ScaledLinear` (multipliers 1/sqrt(fan-in)
-        for the hidden layers, 1/fan-in for the output), so that one Adam step cannot move
-        the output by a layer width's worth of learning rates. The same function at
+    :param scaled: ``True``: every layer a :class:`ScaledLinear` (multipliers
+        1/sqrt(fan-in) for the hidden layers, 1/fan-in for the output), so that one Adam
+        step cannot move the output by a layer width's worth of learning rates; ``"ntk"``:
+        1/sqrt(fan-in) at the output too (the NTK parametrisation, Jacot et al. 2018), so
+        one step moves the output by up to sqrt(width) learning rates, between standard
+        and scaled layers; ``False``: PyTorch's ``nn.Linear``. The same function at
         initialisation.
     """
 
@@ -133,7 +140,9 @@ class MLPGenerator(nn.Module):
         self.skip_dim = min(self.noise_dim, self.out_dim) if self.skip else 0
         # the skip's scale s (set by init_output); a buffer: it is not learned
         self.register_buffer("skip_scale", torch.ones(()), persistent=self.skip)
-        self.scaled = bool(scaled)
+        if scaled not in SCALED_LAYERS:
+            raise ValueError(f"scaled must be one of {SCALED_LAYERS}, got {scaled!r}")
+        self.scaled = scaled if scaled == "ntk" else bool(scaled)
         layers = []
         width = self.noise_dim
         for h in hidden_dims:
@@ -145,7 +154,8 @@ class MLPGenerator(nn.Module):
         self.hidden = nn.Sequential(*layers)
         self.output = nn.Linear(width, self.out_dim)
         if self.scaled:
-            self.output = ScaledLinear(self.output, 1.0 / width)
+            multiplier = width**-0.5 if self.scaled == "ntk" else 1.0 / width
+            self.output = ScaledLinear(self.output, multiplier)
 
     def forward(self, noise):
         out = self.output(self.hidden(noise))

@@ -152,7 +152,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         hidden = self._hidden_dims
         if hidden is None:
             hidden = _SMALL_HIDDEN if small else _LARGE_HIDDEN
-        net = MLPGenerator(g, dim, hidden, self._activation, scaled=self.scaled_layers)
+        net = MLPGenerator(g, dim, hidden, self._activation, scaled=self._scaled_keyword())
         net = net.to(dtype=init_loc.dtype, device=init_loc.device)
         if self.whitened:
             # start at the preconditioner's Gaussian: the conditional carries the spread,
