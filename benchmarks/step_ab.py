@@ -1,0 +1,128 @@
+"""One loss's SVI step at two commits, alternating in one run: how much a change saved.
+
+Each commit is checked out into a temporary ``git worktree``; every repeat runs one
+subprocess per commit (in turn, so load drifts hit both alike), which times ``--steps``
+steps of ``compiled_score.py``'s loss (``--method``, as its ``--losses`` names them) after
+five set-up steps, on one thread, and prints ms per step. The table holds the best repeat
+of each.
+
+Usage::
+
+    python benchmarks/step_ab.py --before 1b173ad --after ea40aa5 --method livi-fx \\
+        --models eight_schools,hierarchical_logistic --out benchmarks/results/livi_log_det.md
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _provenance
+
+#: run inside each worktree: ``argv = [worktree, method, model, steps]``
+_TIMER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+import pyro, torch
+from pyro.infer import SVI
+import compiled_score
+import pyro_implicit
+assert pyro_implicit.__file__.startswith(sys.argv[1]), pyro_implicit.__file__
+torch.set_num_threads(1)
+model, args, kwargs, mpn = compiled_score.models()[sys.argv[3]]
+pyro.clear_param_store()
+pyro.set_rng_seed(0)
+guide, loss = compiled_score._loss_pair(model, mpn, sys.argv[2], 100)
+svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
+for _ in range(5):
+    svi.step(*args, **kwargs)
+steps = int(sys.argv[4])
+start = time.perf_counter()
+for _ in range(steps):
+    svi.step(*args, **kwargs)
+print(json.dumps(1e3 * (time.perf_counter() - start) / steps))
+"""
+
+
+def time_step(tree, method, model, steps):
+    """ms per step of ``method`` on ``model`` with the library of ``tree``."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMER, str(tree), method, model, str(steps)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PATH": ""},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="commit without the change")
+    parser.add_argument("--after", default="HEAD", help="commit with it")
+    parser.add_argument("--method", default="livi-fx")
+    parser.add_argument("--models", default="eight_schools,hierarchical_logistic")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    prov = _provenance.provenance(__file__, argv, vars(args))
+    root = _provenance.REPO_ROOT
+    commits = {"before": args.before, "after": args.after}
+    lines = [
+        "# One loss's step before and after a change",
+        "",
+        f"`{prov['command']}` (commit {prov['commit']}, {prov['utc']}): `{args.method}` "
+        f"(`compiled_score.py`'s loss, 100 vectorised particles, float32, one thread), ms "
+        f"per step, best of {args.repeats} alternating repeats of {args.steps} steps, each "
+        f"commit in its own worktree and process. before = {args.before}, after = "
+        f"{args.after}.",
+        "",
+        "| model | before ms | after ms | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for key, commit in commits.items():
+            trees[key] = Path(tmp) / key
+            subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(root),
+                    "worktree",
+                    "add",
+                    "--detach",
+                    "-q",
+                    str(trees[key]),
+                    commit,
+                ],
+                check=True,
+            )
+        try:
+            for model in args.models.split(","):
+                best = {key: float("inf") for key in trees}
+                for _ in range(args.repeats):
+                    for key, tree in trees.items():
+                        best[key] = min(best[key], time_step(tree, args.method, model, args.steps))
+                lines.append(
+                    f"| {model} | {best['before']:.2f} | {best['after']:.2f} | "
+                    f"{best['before'] / best['after']:.2f} |"
+                )
+                print(lines[-1], flush=True)
+        finally:
+            for tree in trees.values():
+                subprocess.run(
+                    ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
+                    check=False,
+                )
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    main()
+    print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
