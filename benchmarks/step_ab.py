@@ -14,6 +14,7 @@ Usage::
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,13 +50,18 @@ print(json.dumps(1e3 * (time.perf_counter() - start) / steps))
 
 def time_step(tree, method, model, steps):
     """ms per step of ``method`` on ``model`` with the library of ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    # the data beside this checkout (a worktree elsewhere has none beside it)
+    env.setdefault("PYRO_IMPLICIT_DATA", str(_provenance.REPO_ROOT.parent / "shared" / "data"))
     out = subprocess.run(
         [sys.executable, "-c", _TIMER, str(tree), method, model, str(steps)],
         capture_output=True,
         text=True,
-        check=True,
-        env={"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PATH": ""},
+        env=env,
+        cwd=tree,  # ``python -c`` puts the working directory first on sys.path
     )
+    if out.returncode:
+        raise RuntimeError(f"timing {method} on {model} in {tree} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
