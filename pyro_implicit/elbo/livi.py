@@ -351,18 +351,19 @@ class LIVI_ELBO(ImplicitELBO):
     small and :math:`s_1` is over-estimated).
 
     **The guide's layers.** A guide of this library built by this loss (its first call,
-    ``parametrization="auto"``, in whitened coordinates) gets scaled generator layers
-    (:class:`~pyro_implicit.guides.networks.ScaledLinear`). With standard layers, under
-    ``Adam(1e-2)`` the fit's final iterate kept moving near the exact-posterior bar: 4 of
-    20 default fits of the exact posteriors missed it at seeds 0-3 (correlation errors up
-    to 0.112). With scaled layers all 20 passed. On the stiff posteriors scaled layers are
-    closer on the regressions, the GP and stochastic volatility (0.25-0.29 sds off
-    against 0.22-0.51). They are slower to widen into a funnel or a banana: the centred
-    eight schools ends 0.19-0.49 sds off against 0.08-0.34, Neal's funnel 0.05-0.22
-    against 0.03-0.12 and the banana 0.40-0.44 against 0.28-0.32
-    (``benchmarks/results/livi_parametrization.md``). Build the guide with
-    ``parametrization="standard"`` for such posteriors, or non-centre the model. The
-    papers' raw-space generators (``precondition=False``) keep standard layers.
+    ``parametrization="auto"``, in whitened coordinates) gets ntk generator layers
+    (:class:`~pyro_implicit.guides.networks.ScaledLinear` with 1/sqrt(fan-in) multipliers,
+    the output's included). With standard layers, under ``Adam(1e-2)`` the fit's final
+    iterate kept moving near the exact-posterior bar: 4 of 20 default fits of the exact
+    posteriors missed it at seeds 0-3 (correlation errors up to 0.112). With ntk layers
+    all 20 passed, as with scaled ones, whose output multiplier of 1/fan-in made q slow to
+    widen into a funnel or a banana. On the stiff posteriors at seeds 0-3 (mean error
+    over four seeds, standard / scaled / ntk): the centred eight schools 0.21 / 0.35 /
+    0.12, stochastic volatility 0.40 / 0.27 / 0.27, the banana 0.29 / 0.42 / 0.33, Neal's
+    funnel 0.05 / 0.15 / 0.14; the other four within 0.05 of each other
+    (``benchmarks/results/livi_parametrization.md``). On a funnel-shaped posterior build
+    the guide with ``parametrization="standard"``, or non-centre the model. The papers'
+    raw-space generators (``precondition=False``) keep standard layers.
 
     **Guide protocol** (capability ``"jacobian"``): the implicit latent site's
     ``infer["pyro_implicit"]`` record names its guide and, under ``"base_site"``, an
