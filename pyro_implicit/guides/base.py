@@ -149,7 +149,7 @@ class ImplicitAutoGuide(AutoContinuous):
         1/fan-in: a step moves q by up to sqrt(width) learning rates) or ``"auto"``
         (default): what the loss that first runs the guide asks for
         (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`:
-        ``KernelRatioELBO`` and ``GPVI_ELBO`` ask for scaled layers, ``LIVI_ELBO`` for
+        ``KernelRatioELBO`` asks for scaled layers, ``LIVI_ELBO`` and ``GPVI_ELBO`` for
         ntk ones, the other losses for standard ones),
         with a preconditioner; standard without one (the papers' raw-space generators).
     """
