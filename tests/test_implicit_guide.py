@@ -526,13 +526,18 @@ def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
 
 
-def test_weights_saved_with_other_layers_are_refused():
+def test_weights_saved_with_other_layers_are_refused(tmp_path):
     state = _livi_trained_guide().state_dict()
+    pyro.get_param_store().save(tmp_path / "store.pt")
     pyro.clear_param_store()
     restored = LinearizedGuide(_two_coefficients, parametrization="scaled")
     restored.load_state_dict(state)
     with pytest.raises(ValueError, match="parametrization='ntk'"):
         restored()
+    pyro.clear_param_store()  # the same through a loaded param store
+    pyro.get_param_store().load(tmp_path / "store.pt")
+    with pytest.raises(ValueError, match="parametrization='ntk'"):
+        LinearizedGuide(_two_coefficients, parametrization="scaled")()
     built = _kivi_trained_guide()  # scaled layers, built: the check after the first call
     with pytest.raises(ValueError, match="'ntk' layers"):
         built.load_state_dict({**built.state_dict(), "layer_code": state["layer_code"]})

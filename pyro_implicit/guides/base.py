@@ -227,11 +227,12 @@ class ImplicitAutoGuide(AutoContinuous):
             self.preconditioner = _preconditioner_from_state(pending[0], init_loc)
         else:
             self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
-        self._layers = self._resolve_layers(pending)
+        saved_code = self._saved_layer_code(pending)
+        self._layers = self._resolve_layers(pending, saved_code)
+        self._check_saved_layers(saved_code)
         # saved with the parameters: scaled and ntk layers store the same names
         self.register_buffer("layer_code", init_loc.new_tensor(_LAYERS[self._layers][1]))
         if pending is not None:
-            self._check_saved_layers(pending[0])
             pending[0].setdefault("layer_code", self.layer_code.clone())
         if self.preconditioner.is_identity:
             self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
@@ -271,20 +272,27 @@ class ImplicitAutoGuide(AutoContinuous):
         layers."""
         return _LAYERS[self._layers][0]
 
-    def _resolve_layers(self, pending=None):
+    def _saved_layer_code(self, pending=None):
+        """The ``layer_code`` of a state being restored (``pending``) or of the param store;
+        ``None`` if neither holds one."""
+        if pending is not None:
+            return pending[0].get("layer_code")
+        name = self._store_name("layer_code")
+        store = pyro.get_param_store()
+        return store[name] if name in store else None
+
+    def _resolve_layers(self, pending=None, saved_code=None):
         if self._parametrization_arg != "auto":
             return self._parametrization_arg
         # a trained guide being restored keeps the layers it was trained with
+        if saved_code is not None:
+            return _layers_of(saved_code)
         if pending is not None:
-            saved = dict(pending[0])
+            names = list(pending[0])
         else:
             prefix = self._store_name("")
-            store = pyro.get_param_store()
-            saved = {k[len(prefix) :]: store[k] for k in store.keys() if k.startswith(prefix)}
-        code = saved.pop("layer_code", None)
-        if code is not None:
-            return _layers_of(code)
-        weights = [k for k in saved if "preconditioner" not in k]
+            names = [k for k in pyro.get_param_store().keys() if k.startswith(prefix)]
+        weights = [k for k in names if "preconditioner" not in k]
         if weights:  # saved before the code was: raw weights mean scaled layers
             return "scaled" if any(k.endswith("raw_weight") for k in weights) else "standard"
         # auto: what the loss building the guide asks for, in whitened coordinates only
@@ -292,9 +300,8 @@ class ImplicitAutoGuide(AutoContinuous):
         requested = _REQUESTED_PARAMETRIZATION.get()
         return requested if self.whitened and requested in ("scaled", "ntk") else "standard"
 
-    def _check_saved_layers(self, state):
+    def _check_saved_layers(self, code):
         """Refuse saved weights of other layers (same names, other multipliers)."""
-        code = state.get("layer_code")
         if code is None:
             return
         saved = _layers_of(code)
@@ -446,7 +453,7 @@ class ImplicitAutoGuide(AutoContinuous):
         if self.prototype_trace is None:
             self._pending_state = (dict(state_dict), strict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
-        self._check_saved_layers(state_dict)
+        self._check_saved_layers(state_dict.get("layer_code"))
         if "layer_code" not in state_dict:  # saved before the code was
             state_dict = {**state_dict, "layer_code": self.layer_code.clone()}
         ref = self._noise_reference
