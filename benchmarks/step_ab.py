@@ -23,28 +23,19 @@ from pathlib import Path
 
 import _provenance
 
-#: run inside each worktree: ``argv = [worktree, method, model, steps]``
+#: run inside each worktree: ``argv = [worktree, method, model, steps]``; the timing is
+#: that worktree's ``compiled_score.time_loss`` (five set-up steps, then the timed ones)
 _TIMER = """
-import json, sys, time
+import json, sys
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
-import pyro, torch
-from pyro.infer import SVI
+import torch
 import compiled_score
 import pyro_implicit
 assert pyro_implicit.__file__.startswith(sys.argv[1]), pyro_implicit.__file__
 torch.set_num_threads(1)
 model, args, kwargs, mpn = compiled_score.models()[sys.argv[3]]
-pyro.clear_param_store()
-pyro.set_rng_seed(0)
-guide, loss = compiled_score._loss_pair(model, mpn, sys.argv[2], 100)
-svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
-for _ in range(5):
-    svi.step(*args, **kwargs)
-steps = int(sys.argv[4])
-start = time.perf_counter()
-for _ in range(steps):
-    svi.step(*args, **kwargs)
-print(json.dumps(1e3 * (time.perf_counter() - start) / steps))
+ms, _, _ = compiled_score.time_loss(model, args, kwargs, mpn, sys.argv[2], 100, int(sys.argv[4]), 0)
+print(json.dumps(ms))
 """
 
 
