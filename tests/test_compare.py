@@ -21,6 +21,7 @@ from pyro_implicit.diagnostics.compare import (
 from pyro_implicit.diagnostics.importance import UnreliableFitWarning
 from pyro_implicit.diagnostics.methods import ALIASES, grid_method, resolve_name
 from pyro_implicit.diagnostics.nuts import run_nuts
+from pyro_implicit.latent import Preconditioner, preconditioner_of
 from pyro_implicit.models import BUILTIN_MODELS, load_model
 
 # fits of a few dozen steps are rough: their k-hat warning is expected (and tested below)
@@ -116,6 +117,40 @@ def test_compare_is_reproducible_per_method(y, nuts):
     assert alone.settings["methods"] == {"implicit": "kivi"}
     # Each fit starts from the same seed, whatever ran before it.
     assert torch.equal(both.methods["kivi"].samples["mu"], alone.methods["implicit"].samples["mu"])
+
+
+def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
+    """The model's preconditioner is searched once, not once per method (and again for
+    the KSD's coordinates), and every method of the library gets it: here the exact
+    Gaussian posterior of the conjugate model, mean sum(y) / 11 and sd 1 / sqrt(11)."""
+    import pyro_implicit.latent as latent
+
+    searches = []
+
+    def counted(*args, **kwargs):
+        searches.append(1)
+        return find(*args, **kwargs)
+
+    find = latent.find_preconditioner
+    monkeypatch.setattr(latent, "find_preconditioner", counted)
+    names = ["kivi", "sivi", "wsvgd", "autonormal"]
+    kw = dict(num_steps=3, num_samples=50, nuts=nuts, max_plate_nesting=1, progress=False)
+    result = compare(normal_normal, y, methods=names, **kw)
+    assert len(searches) == 1
+    for name in ["kivi", "sivi", "wsvgd"]:
+        pre = preconditioner_of(result.methods[name].approximation)
+        assert torch.allclose(pre.loc, y.sum() / 11 * torch.ones(1), atol=1e-6), name
+        assert torch.allclose(pre.scale_tril, torch.full((1, 1), 11**-0.5), atol=1e-6), name
+    # one's own preconditioner goes to every method, and no search runs
+    own = Preconditioner(torch.tensor([0.5]), scale_tril=torch.tensor([[0.2]]))
+    result = compare(normal_normal, y, methods=names, precondition=own, **kw)
+    assert len(searches) == 1
+    for name in ["kivi", "sivi", "wsvgd"]:
+        pre = preconditioner_of(result.methods[name].approximation)
+        assert torch.equal(pre.scale_tril, own.scale_tril.to(pre.scale_tril)), name
+    # only Pyro's methods: nothing to share (the KSD's coordinates need the one search)
+    compare(normal_normal, y, methods=["autonormal"], diagnostics=False, **kw)
+    assert len(searches) == 1
 
 
 def test_old_method_names_resolve_to_the_registrys_one_name():

@@ -28,6 +28,7 @@ object}``: any Pyro ``AutoGuide`` (ours included), a ``pyro.infer.SVGD``, a
 ``{site: (S, *site_shape)}``. Their row's time covers drawing only.
 """
 
+import copy
 import math
 import sys
 import time
@@ -43,7 +44,7 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.messenger import Messenger
 
 from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
-from ..latent import PreconditionerWarning, plate_nesting
+from ..latent import Preconditioner, PreconditionerWarning, plate_nesting
 from .draws import (
     guess_max_plate_nesting,
     latent_shapes,
@@ -230,9 +231,12 @@ def compare(
     """Fit each method to ``model`` (or take it fitted) and compare its posterior with NUTS.
 
     Every method is fitted from ``pyro.set_rng_seed(seed)`` on an empty parameter store,
-    so its result does not depend on which other methods run. Wall times include the
-    posterior draws. The model must be vectorisation-safe (all methods draw their
-    particles under a plate) and have continuous latent sites only.
+    so its result does not depend on which other methods run. The model's preconditioner
+    is searched once and given to every method of the library (each would otherwise
+    repeat the same search). Wall times include the posterior draws and, for the
+    library's methods, that search's seconds, as a fit of the method alone would pay.
+    The model must be vectorisation-safe (all methods draw their particles under a
+    plate) and have continuous latent sites only.
 
     :param callable model: a Pyro model.
     :param args: positional arguments of ``model``.
@@ -256,10 +260,11 @@ def compare(
     :param bool progress: progress on stderr (tqdm bars, one line per finished method).
     :param lr: initial learning rate: a float for every method, a dict name -> float, or
         ``None`` for each method's default (:data:`METHODS`).
-    :param bool precondition: fit the library's methods in the coordinates of their
-        automatic preconditioner (default; :mod:`pyro_implicit.latent`), or, with
-        ``False``, in the raw unconstrained space as the papers do. Pyro's own guides and
-        ``pyro.infer.SVGD`` are unaffected.
+    :param precondition: ``True`` (default): fit the library's methods in the coordinates
+        of the model's automatic preconditioner (:mod:`pyro_implicit.latent`), found once
+        and shared; ``False``: in the raw unconstrained space, as the papers do; or a
+        :class:`~pyro_implicit.latent.Preconditioner` of one's own, given to every
+        method. Pyro's own guides and ``pyro.infer.SVGD`` are unaffected.
     :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
         Stein discrepancy of its draws (:func:`~pyro_implicit.diagnostics.stein_discrepancy`,
         all rows in the coordinates of the model's automatic preconditioner, NUTS's row
@@ -306,6 +311,9 @@ def compare(
         )
 
     _warm_up(model, args, kwargs, mpn)
+    shared, search_seconds = _shared_preconditioner(
+        precondition, specs, model, args, kwargs, mpn, progress
+    )
     pyro.set_rng_seed(seed)
 
     # Draw from fitted objects first: clearing the param store for the fits below would
@@ -381,7 +389,8 @@ def compare(
                     lrs[label],
                     mpn,
                     progress,
-                    precondition=precondition,
+                    # a copy each: a guide keeps its last draw on its preconditioner
+                    precondition=_own_copy(shared),
                     trace=trace,
                 )
                 samples, kind = posterior_draws(
@@ -393,6 +402,8 @@ def compare(
                 fitted, samples, kind = None, {}, "failed"
                 failure = f"diverged at step {len(trace) + 1}: {str(e).splitlines()[0]}"
             wall = time.perf_counter() - start
+        if method.preconditioned:
+            wall += search_seconds
         results[label] = MethodResult(
             label,
             samples,
@@ -431,7 +442,7 @@ def compare(
             "diagnostics: kernel Stein discrepancy of every row, PSIS k-hat of "
             "guides with a log-density",
         )
-        nuts_ksd = _add_diagnostics(model, args, kwargs, ordered, nuts, mpn, seed)
+        nuts_ksd = _add_diagnostics(model, args, kwargs, ordered, nuts, mpn, seed, shared)
 
     settings = {
         "methods": {
@@ -494,15 +505,41 @@ def _short(value):
     return f"tensor of shape {tuple(value.shape)}"
 
 
-def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed):
-    """Fill each row's ``ksd`` and ``k_hat`` (module docstring); return NUTS's KSD."""
+def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress):
+    """``(precondition, seconds)``: what every method of the library is built with, and
+    the seconds its search took. ``precondition=True`` becomes the model's preconditioner,
+    found here once (when a method of the library is to be fitted) instead of once per
+    method; ``False`` and a given :class:`~pyro_implicit.latent.Preconditioner` pass
+    through."""
+    if precondition is not True:
+        return precondition, 0.0
+    if not any(isinstance(s, str) and METHODS[s].preconditioned for s in specs.values()):
+        return precondition, 0.0
+    start = time.perf_counter()
+    found = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
+    seconds = time.perf_counter() - start
+    what = "none found" if found.is_identity else f"{found.source}, {found.kind}"
+    _say(progress, f"preconditioner ({what}): {seconds:.1f} s, shared by the library's methods")
+    return found, seconds
+
+
+def _own_copy(precondition):
+    return copy.deepcopy(precondition) if isinstance(precondition, Preconditioner) else precondition
+
+
+def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed, shared=None):
+    """Fill each row's ``ksd`` and ``k_hat`` (module docstring); return NUTS's KSD. The
+    KSD's coordinates are ``shared`` (the preconditioner the fits used), if it is one."""
     rng = pyro.util.get_rng_state()
     try:
-        with warnings.catch_warnings():
-            # only coordinates: a fallback in the search still gives valid (if less
-            # even) ones, and the fits have warned about it already
-            warnings.simplefilter("ignore", PreconditionerWarning)
-            coordinates = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
+        if isinstance(shared, Preconditioner):
+            coordinates = shared
+        else:
+            with warnings.catch_warnings():
+                # only coordinates: a fallback in the search still gives valid (if less
+                # even) ones, and the fits have warned about it already
+                warnings.simplefilter("ignore", PreconditionerWarning)
+                coordinates = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
 
         def ksd(draws):
             return stein_discrepancy(

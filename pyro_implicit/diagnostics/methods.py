@@ -89,6 +89,8 @@ class Method:
     :ivar str loss: the loss's class (``None`` for particle methods).
     :ivar dict settings: the keyword arguments the loss (or particle object) is built
         with, besides ``max_plate_nesting``; ``{}`` for its defaults.
+    :ivar bool preconditioned: whether ``build``'s ``precondition`` reaches the method
+        (the library's methods) or is ignored (Pyro's own guides and SVGD).
     """
 
     description: str
@@ -101,6 +103,7 @@ class Method:
     guide: str = ""
     loss: str = None
     settings: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    preconditioned: bool = True
 
 
 def _build_implicit(model, mpn, precondition=True):
@@ -248,6 +251,7 @@ _REGISTRY = (
         paper="ADVI, mean field: Kucukelbir et al., JMLR 2017",
         name="autonormal",
         guide="AutoNormal",
+        preconditioned=False,
         loss="Trace_ELBO",
         settings=_AUTOGUIDE,
     ),
@@ -258,6 +262,7 @@ _REGISTRY = (
         paper="ADVI, full rank: Kucukelbir et al., JMLR 2017",
         name="automvn",
         guide="AutoMultivariateNormal",
+        preconditioned=False,
         loss="Trace_ELBO",
         settings=_AUTOGUIDE,
     ),
@@ -271,6 +276,7 @@ _REGISTRY = (
         paper="SVGD: Liu & Wang, NeurIPS 2016",
         name="svgd",
         guide="pyro.infer.SVGD",
+        preconditioned=False,
         settings={"num_particles": NUM_PARTICLES, "mode": "multivariate"},
     ),
     Method(
