@@ -137,6 +137,8 @@ def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     kw = dict(num_steps=3, num_samples=50, nuts=nuts, max_plate_nesting=1, progress=False)
     result = compare(normal_normal, y, methods=names, **kw)
     assert len(searches) == 1
+    search = result.settings["preconditioner"]
+    assert search["source"] == "laplace" and search["seconds"] > 0
     for name in ["kivi", "sivi", "wsvgd"]:
         pre = preconditioner_of(result.methods[name].approximation)
         assert torch.allclose(pre.loc, y.sum() / 11 * torch.ones(1), atol=1e-6), name
@@ -144,7 +146,7 @@ def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     # one's own preconditioner goes to every method, and no search runs
     own = Preconditioner(torch.tensor([0.5]), scale_tril=torch.tensor([[0.2]]))
     result = compare(normal_normal, y, methods=names, precondition=own, **kw)
-    assert len(searches) == 1
+    assert len(searches) == 1 and result.settings["preconditioner"] is None
     for name in ["kivi", "sivi", "wsvgd"]:
         pre = preconditioner_of(result.methods[name].approximation)
         assert torch.equal(pre.scale_tril, own.scale_tril.to(pre.scale_tril)), name

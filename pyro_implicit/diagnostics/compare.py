@@ -234,7 +234,9 @@ def compare(
     so its result does not depend on which other methods run. The model's preconditioner
     is searched once and given to every method of the library (each would otherwise
     repeat the same search). Wall times include the posterior draws and, for the
-    library's methods, that search's seconds, as a fit of the method alone would pay.
+    library's methods, that search's seconds, as a fit of the method alone would pay;
+    their peak memory does not include the search's, which ``settings["preconditioner"]``
+    records (source, kind, seconds, peak MB).
     The model must be vectorisation-safe (all methods draw their particles under a
     plate) and have continuous latent sites only.
 
@@ -311,9 +313,7 @@ def compare(
         )
 
     _warm_up(model, args, kwargs, mpn)
-    shared, search_seconds = _shared_preconditioner(
-        precondition, specs, model, args, kwargs, mpn, progress
-    )
+    shared, search = _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress)
     pyro.set_rng_seed(seed)
 
     # Draw from fitted objects first: clearing the param store for the fits below would
@@ -402,8 +402,8 @@ def compare(
                 fitted, samples, kind = None, {}, "failed"
                 failure = f"diverged at step {len(trace) + 1}: {str(e).splitlines()[0]}"
             wall = time.perf_counter() - start
-        if method.preconditioned:
-            wall += search_seconds
+        if method.preconditioned and search is not None:
+            wall += search["seconds"]
         results[label] = MethodResult(
             label,
             samples,
@@ -457,6 +457,7 @@ def compare(
         "nuts": nuts is not None,
         "diagnostics": bool(diagnostics),
         "held_model_parameters": held,
+        "preconditioner": search,
     }
     return ComparisonResult(
         ordered,
@@ -506,21 +507,23 @@ def _short(value):
 
 
 def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress):
-    """``(precondition, seconds)``: what every method of the library is built with, and
-    the seconds its search took. ``precondition=True`` becomes the model's preconditioner,
-    found here once (when a method of the library is to be fitted) instead of once per
-    method; ``False`` and a given :class:`~pyro_implicit.latent.Preconditioner` pass
-    through."""
+    """``(precondition, record)``: what every method of the library is built with, and
+    a record of its search (``None`` where none ran). ``precondition=True`` becomes the
+    model's preconditioner, found here once (when a method of the library is to be
+    fitted) instead of once per method; ``False`` and a given
+    :class:`~pyro_implicit.latent.Preconditioner` pass through."""
     if precondition is not True:
-        return precondition, 0.0
+        return precondition, None
     if not any(isinstance(s, str) and METHODS[s].preconditioned for s in specs.values()):
-        return precondition, 0.0
-    start = time.perf_counter()
-    found = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
-    seconds = time.perf_counter() - start
+        return precondition, None
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        found = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
+        seconds = time.perf_counter() - start
     what = "none found" if found.is_identity else f"{found.source}, {found.kind}"
     _say(progress, f"preconditioner ({what}): {seconds:.1f} s, shared by the library's methods")
-    return found, seconds
+    record = {"source": found.source, "kind": found.kind, "seconds": seconds}
+    return found, dict(record, peak_mb=memory.peak_mb)
 
 
 def _own_copy(precondition):
