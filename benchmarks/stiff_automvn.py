@@ -45,6 +45,22 @@ def _worse(row, mvn):
     )
 
 
+def _commit():
+    import subprocess
+
+    here = pathlib.Path(__file__).parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        cwd=here,
+    ).stdout.strip()
+    return head + ("+" if dirty else "")
+
+
 def _mean(values):
     return sum(values) / len(values)
 
@@ -91,8 +107,9 @@ def markdown(groups, records):
         "",
         "`python benchmarks/stiff_automvn.py "
         + " ".join(f"--seed {','.join(g)}" for g in groups)
-        + " --markdown ...`. Each seed's table is the merge `stiff_report.py` makes of its "
-        "files (their commits are in each seed's markdown table). Our methods with the "
+        + f" --markdown ...` (commit {_commit()}). Each seed's table is the merge "
+        "`stiff_report.py` makes of its files (their commits are in each seed's markdown "
+        "table). Our methods with the "
         f"preconditioner against `AutoMultivariateNormal`, over {n} seeds: the max mean "
         "error in NUTS sds and the energy distance, each averaged over the seeds; `worse "
         "seeds`: at how many seeds the clause (mean error and energy distance no larger "
