@@ -157,8 +157,8 @@ def _autoguide_builder(cls):
 
 #: particles of Pyro's SVGD
 NUM_PARTICLES = 100
-#: particles of ``wsvgd``: WeightSpaceSVGD's own default, ten per latent dimension within
-#: 100-300 (:func:`~pyro_implicit.particles.svgd.auto_num_particles`)
+#: particles of ``wsvgd``: WeightSpaceSVGD's own default, thirty per latent dimension
+#: within 100-300 (:func:`~pyro_implicit.particles.svgd.auto_num_particles`)
 WSVGD_PARTICLES = "auto"
 
 
@@ -280,7 +280,7 @@ _REGISTRY = (
         settings={"num_particles": NUM_PARTICLES, "mode": "multivariate"},
     ),
     Method(
-        f"WeightSpaceSVGD(num_particles={WSVGD_PARTICLES!r}: 10 per latent dimension within "
+        f"WeightSpaceSVGD(num_particles={WSVGD_PARTICLES!r}: 30 per latent dimension within "
         "100-300), particle-major SVGD, RBF kernel with the median distance as length scale",
         5e-2,
         _build_wsvgd,
