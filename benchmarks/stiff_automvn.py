@@ -24,6 +24,7 @@ ones), in the same order.
 import argparse
 import pathlib
 
+import _provenance
 from stiff_report import OURS, merge
 
 
@@ -43,22 +44,6 @@ def _worse(row, mvn):
     return row["mean_error_max"] > mvn["mean_error_max"] or row["energy_distance"] > max(
         mvn["energy_distance"], 0.0
     )
-
-
-def _commit():
-    import subprocess
-
-    here = pathlib.Path(__file__).parent
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-        cwd=here,
-    ).stdout.strip()
-    return head + ("+" if dirty else "")
 
 
 def _mean(values):
@@ -107,7 +92,7 @@ def markdown(groups, records):
         "",
         "`python benchmarks/stiff_automvn.py "
         + " ".join(f"--seed {','.join(g)}" for g in groups)
-        + f" --markdown ...` (commit {_commit()}). Each seed's table is the merge "
+        + f" --markdown ...` (commit {_provenance.git_commit()}). Each seed's table is the merge "
         "`stiff_report.py` makes of its files (their commits are in each seed's markdown "
         "table). Our methods with the "
         f"preconditioner against `AutoMultivariateNormal`, over {n} seeds: the max mean "
