@@ -2,6 +2,7 @@
 
 import math
 import re
+import sys
 
 import pyro
 import pyro.distributions as dist
@@ -150,6 +151,18 @@ def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     for name in ["kivi", "sivi", "wsvgd"]:
         pre = preconditioner_of(result.methods[name].approximation)
         assert torch.equal(pre.scale_tril, own.scale_tril.to(pre.scale_tril)), name
+
+    # a wrong one is refused before NUTS runs, not by the first fit after it
+    def no_nuts(*args, **kwargs):
+        raise AssertionError("NUTS ran before the preconditioner was checked")
+
+    # the module, not the function of the same name that the package exports
+    monkeypatch.setattr(sys.modules[compare.__module__], "run_nuts", no_nuts)
+    wrong = Preconditioner(torch.zeros(2), scale=torch.ones(2))
+    with pytest.raises(ValueError, match="D=2 but the model's packed latent has D=1"):
+        compare(normal_normal, y, methods=names, precondition=wrong, **dict(kw, nuts=None))
+    with pytest.raises(TypeError, match="precondition must be True"):
+        compare(normal_normal, y, methods=names, precondition="yes", **dict(kw, nuts=None))
     # only Pyro's methods: nothing to share (the KSD's coordinates need the one search)
     compare(normal_normal, y, methods=["autonormal"], diagnostics=False, **kw)
     assert len(searches) == 1
