@@ -269,9 +269,10 @@ def compare(
         method. Pyro's own guides and ``pyro.infer.SVGD`` are unaffected.
     :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
         Stein discrepancy of its draws (:func:`~pyro_implicit.diagnostics.stein_discrepancy`,
-        all rows in the coordinates of the model's automatic preconditioner, NUTS's row
-        too) and, for guides with a log-density, PSIS k-hat
-        (:func:`~pyro_implicit.diagnostics.psis_diagnostic`, 1000 draws); one
+        all rows in the coordinates of the model's automatic preconditioner, or of the
+        one given as ``precondition``, NUTS's row too) and, for guides with a
+        log-density, PSIS k-hat (:func:`~pyro_implicit.diagnostics.psis_diagnostic`, 1000
+        draws); one
         :class:`~pyro_implicit.diagnostics.importance.UnreliableFitWarning` names the
         guides whose k-hat exceeds 0.7.
     :param kwargs: keyword arguments of ``model``.
