@@ -483,6 +483,42 @@ def test_param_store_load_into_a_live_guide(guide_name, tmp_path):
     _assert_same_draws(expected, _seeded_draws(guide))
 
 
+def _trained_on(guide_name, y, **kwargs):
+    guide = _guide(guide_name, _mixed, precondition=True, **kwargs)
+    svi = SVI(_mixed, guide, pyro.optim.Adam({"lr": 0.05}), _LOSSES[_ROUND_TRIP_LOSS[guide_name]]())
+    for _ in range(3):
+        svi.step(y)
+    return guide
+
+
+@pytest.mark.parametrize("guide_name", GUIDE_NAMES)
+def test_guides_of_one_name_share_the_store_whole(guide_name):
+    """Two guides of one class share Pyro's param-store names (as Pyro's autoguides do):
+    after a second one is fitted, the first reads its weights, and its preconditioner
+    with them, never the second's weights in the first's coordinates."""
+    first = _trained_on(guide_name, _MIXED_Y)
+    pyro.clear_param_store()
+    second = _trained_on(guide_name, _MIXED_Y.flip(0) * 1.5)  # other data: other coordinates
+    assert not torch.equal(first.preconditioner.loc, second.preconditioner.loc)
+    expected = _seeded_draws(second)
+    first(_MIXED_Y)  # reads the store, as a PyroParam does
+    assert torch.equal(first.preconditioner.loc, second.preconditioner.loc)
+    _assert_same_draws(expected, _seeded_draws(first))
+    # after the store is cleared, a guide puts its own state back
+    pyro.clear_param_store()
+    first(_MIXED_Y)
+    store = pyro.get_param_store()
+    assert torch.equal(store[first._store_name("preconditioner.loc")], first.preconditioner.loc)
+
+
+def test_a_guide_refuses_stored_weights_of_other_layers():
+    first = _trained_on("ImplicitGuide", _MIXED_Y, parametrization="standard")
+    pyro.clear_param_store()
+    _trained_on("ImplicitGuide", _MIXED_Y, parametrization="scaled")
+    with pytest.raises(ValueError, match="parametrization='scaled'"):
+        first(_MIXED_Y)
+
+
 @pytest.mark.parametrize("precondition", [False, True], ids=["raw", "preconditioned"])
 @pytest.mark.parametrize("guide_name", GUIDE_NAMES)
 def test_state_dict_round_trip(guide_name, precondition, monkeypatch):

@@ -365,13 +365,14 @@ class ImplicitAutoGuide(AutoContinuous):
                 names[self._store_name(name)] = param
         return names
 
-    def _sync_param_store(self, pull=True):
+    def _sync_param_store(self, pull=True, names=None):
         """Make the param store hold this guide's parameters (the very tensors, so that
         ``SVI``'s optimiser steps what the sampler uses). With ``pull``, values already in
         the store under the same names (e.g. after ``pyro.get_param_store().load(path)``)
         are copied into the guide first, as a ``PyroParam`` reads the store."""
         store = pyro.get_param_store()
-        for fullname, param in self._param_store_names().items():
+        names = self._param_store_names() if names is None else names
+        for fullname, param in names.items():
             stored = store._params.get(fullname) if fullname in store else None
             if stored is param:
                 continue
@@ -437,9 +438,38 @@ class ImplicitAutoGuide(AutoContinuous):
     def forward(self, *args, **kwargs):
         if self.prototype_trace is not None:
             # a store loaded into a live guide replaces the tensors: read them, as a
-            # PyroParam does on every access
-            self._sync_param_store()
+            # PyroParam does on every access, with the preconditioner and layers saved
+            # beside them
+            names = self._param_store_names()
+            self._adopt_stored_state(names)
+            self._sync_param_store(names=names)
         return super().forward(*args, **kwargs)
+
+    def _adopt_stored_state(self, names):
+        """Read the param store's state when its tensors are no longer this guide's.
+
+        Two events cause it: a store loaded from a file, or another guide of the same
+        name (the same class: Pyro names an autoguide after its class) fitted since.
+        Pyro's own autoguides then read the other parameters, and so does this guide.
+        Its weights act in its preconditioner's coordinates, so it takes the stored
+        preconditioner with them, not other weights in its own coordinates. Stored
+        weights of other layers are refused (the same names, other multipliers). After
+        ``pyro.clear_param_store()`` the guide stores its own state again."""
+        store = pyro.get_param_store()
+        if all(store._params.get(n) is p for n, p in names.items()):
+            return
+        kind_name = self._store_name("preconditioner.kind")
+        if not any(n in store for n in names) and kind_name not in store:
+            # a cleared store: this guide's state goes back in (_sync_param_store does
+            # the parameters)
+            self._store_preconditioner()
+            self._store_layers()
+            return
+        self._check_saved_layers(self._saved_layer_code())
+        like = self._noise_reference.new_zeros(self.latent_dim)
+        stored = self._stored_preconditioner(like)
+        if stored is not None and not _same_preconditioner(stored, self.preconditioner):
+            self.preconditioner = stored
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Restore :meth:`state_dict`, preconditioner included.
@@ -649,6 +679,19 @@ def default_noise_dim(latent_dim):
 def _layers_of(code):
     """The layers a saved ``layer_code`` stands for."""
     return next(k for k, (_, c) in _LAYERS.items() if c == float(torch.as_tensor(code).detach()))
+
+
+def _same_preconditioner(a, b):
+    """Whether two preconditioners are the same map (kind, and every value)."""
+    if a.kind != b.kind:
+        return False
+    if a.is_identity:
+        return True
+    return all(
+        torch.equal(getattr(a, key), getattr(b, key).to(getattr(a, key)))
+        for key in ("loc", "scale_tril", "scale")
+        if torch.is_tensor(getattr(a, key, None))
+    )
 
 
 def _preconditioner_from_state(state_dict, like):
