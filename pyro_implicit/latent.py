@@ -55,6 +55,7 @@ __all__ = [
     "preconditioner_of",
     "Preconditioner",
     "PreconditionerWarning",
+    "check_precondition",
     "find_preconditioner",
     "resolve_precondition",
 ]
@@ -954,24 +955,33 @@ def find_preconditioner(
     return chosen
 
 
-def resolve_precondition(precondition, space, init_loc, args, kwargs, dense=None):
-    """The :class:`Preconditioner` that a method's ``precondition`` argument asks for:
-    ``True`` (find it, :func:`find_preconditioner`), ``False``/``None`` (identity), or a
-    :class:`Preconditioner` given by the user (checked against the space's size)."""
-    if precondition is None or precondition is False:
-        return Preconditioner.identity()
+def check_precondition(precondition, latent_dim=None):
+    """Refuse a ``precondition`` argument other than ``True``, ``False``, ``None`` or a
+    :class:`Preconditioner` (``TypeError``), and, given the model's packed size
+    ``latent_dim``, a :class:`Preconditioner` of another size (``ValueError``)."""
     if isinstance(precondition, Preconditioner):
-        if not precondition.is_identity and precondition.loc.numel() != space.latent_dim:
+        size = None if precondition.is_identity else precondition.loc.numel()
+        if latent_dim is not None and size is not None and size != latent_dim:
             raise ValueError(
-                f"the given Preconditioner has D={precondition.loc.numel()} but the model's "
-                f"packed latent has D={space.latent_dim}"
+                f"the given Preconditioner has D={size} but the model's packed latent has "
+                f"D={latent_dim}"
             )
-        return precondition.to(dtype=init_loc.dtype, device=init_loc.device)
-    if precondition is not True:
+    elif not (isinstance(precondition, bool) or precondition is None):
         raise TypeError(
             "precondition must be True (automatic), False (none) or a "
             f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
         )
+
+
+def resolve_precondition(precondition, space, init_loc, args, kwargs, dense=None):
+    """The :class:`Preconditioner` that a method's ``precondition`` argument asks for:
+    ``True`` (find it, :func:`find_preconditioner`), ``False``/``None`` (identity), or a
+    :class:`Preconditioner` given by the user (checked against the space's size)."""
+    check_precondition(precondition, space.latent_dim)
+    if precondition is None or precondition is False:
+        return Preconditioner.identity()
+    if isinstance(precondition, Preconditioner):
+        return precondition.to(dtype=init_loc.dtype, device=init_loc.device)
     if space.subsampled and not space.subsample_plates:
         warnings.warn(
             "Preconditioner: the model subsamples a plate whose minibatches cannot be "

@@ -44,7 +44,13 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from pyro.poutine.messenger import Messenger
 
 from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
-from ..latent import LatentSpace, Preconditioner, PreconditionerWarning, plate_nesting
+from ..latent import (
+    LatentSpace,
+    Preconditioner,
+    PreconditionerWarning,
+    check_precondition,
+    plate_nesting,
+)
 from .draws import (
     guess_max_plate_nesting,
     latent_shapes,
@@ -513,20 +519,10 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
     model's preconditioner, found here once (when a method of the library is to be
     fitted) instead of once per method; ``False`` and a given
     :class:`~pyro_implicit.latent.Preconditioner` pass through."""
-    if isinstance(precondition, Preconditioner):
-        # checked here, before NUTS runs, not by the first fit after it
-        dim = LatentSpace.from_model(model, args, kwargs, mpn).latent_dim
-        if not precondition.is_identity and precondition.loc.numel() != dim:
-            raise ValueError(
-                f"the given Preconditioner has D={precondition.loc.numel()} but the model's "
-                f"packed latent has D={dim}"
-            )
-        return precondition, None
-    if precondition is not True and precondition not in (False, None):
-        raise TypeError(
-            "precondition must be True (automatic), False (none) or a "
-            f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
-        )
+    # checked here, before NUTS runs, not by the first fit after it
+    given = isinstance(precondition, Preconditioner)
+    dim = LatentSpace.from_model(model, args, kwargs, mpn).latent_dim if given else None
+    check_precondition(precondition, dim)
     if precondition is not True:
         return precondition, None
     if not any(isinstance(s, str) and METHODS[s].preconditioned for s in specs.values()):

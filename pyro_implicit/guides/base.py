@@ -32,7 +32,7 @@ from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
 from ..contract import IMPLICIT_FLAG, implicit_site_info
-from ..latent import LatentSpace, Preconditioner, resolve_precondition
+from ..latent import LatentSpace, Preconditioner, check_precondition, resolve_precondition
 
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
 
@@ -174,11 +174,7 @@ class ImplicitAutoGuide(AutoContinuous):
                 f"parametrization must be one of {PARAMETRIZATIONS}, got {parametrization!r}"
             )
         self._parametrization_arg = parametrization
-        if not (isinstance(precondition, (bool, Preconditioner)) or precondition is None):
-            raise TypeError(
-                "precondition must be True (automatic), False (none) or a "
-                f"pyro_implicit.latent.Preconditioner, got {precondition!r}"
-            )
+        check_precondition(precondition)
         self._init_scale_arg = init_scale
         # in a tuple: a Preconditioner given here is not a submodule (the one in use is)
         self._precondition_arg = (precondition,)
