@@ -817,14 +817,15 @@ def diagnostics(model_name, draws, fitted=None, seed=0):
 
 
 def non_centred(model):
-    """The model non-centred by Pyro's own reparameteriser: every location-scale site
-    (Normal, StudentT, ...) drawn as ``loc + scale * site_decentered``
-    (``AutoReparam(centered=0.0)``, i.e. ``LocScaleReparam(0)`` site by site). The
-    posterior of the original sites is unchanged; they become deterministic functions of
-    the new latents."""
-    from pyro.infer.reparam.strategies import AutoReparam
+    """The model non-centred: every location-scale site (Normal, StudentT, ...) drawn as
+    ``loc + scale * site_decentered`` (Pyro's ``AutoReparam(centered=0.0)``), and every
+    ``MultivariateNormal`` site as ``loc + scale_tril @ site_decentered``
+    (:class:`pyro_implicit.reparam.NonCentred`; ``AutoReparam`` leaves those centred).
+    The posterior of the original sites is unchanged; they become deterministic
+    functions of the new latents."""
+    from pyro_implicit.reparam import NonCentred
 
-    return poutine.reparam(model, config=AutoReparam(centered=0.0))
+    return poutine.reparam(model, config=NonCentred())
 
 
 def fit_one(
@@ -981,8 +982,9 @@ def markdown(record):
         f"(wsvgd: its particles), seed {record['settings']['seed']}, "
         "float64, one thread."
         + (
-            " Every model non-centred by Pyro's `AutoReparam(centered=0.0)` "
-            "(`poutine.reparam`), scored on its original sites."
+            " Every model non-centred by `pyro_implicit.reparam.NonCentred()` (Pyro's "
+            "`AutoReparam(centered=0.0)`, and `MultivariateNormal` sites as loc + "
+            "scale_tril @ noise; `poutine.reparam`), scored on its original sites."
             if record["settings"].get("reparam")
             else ""
         ),
@@ -1114,8 +1116,9 @@ def main(argv=None):
     p.add_argument(
         "--reparam",
         action="store_true",
-        help="fit the models non-centred by Pyro's AutoReparam(centered=0.0) (every "
-        "location-scale site), scored on the original sites",
+        help="fit the models non-centred by pyro_implicit.reparam.NonCentred() (Pyro's "
+        "AutoReparam(centered=0.0) for every location-scale site, and MultivariateNormal "
+        "sites), scored on the original sites",
     )
     p.add_argument(
         "--diagnostics",
