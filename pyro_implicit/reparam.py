@@ -54,17 +54,13 @@ class MultivariateNormalReparam(Reparam):
     :math:`x` times :math:`|\det L|`, the Jacobian of the map: the noise's standard normal
     density is :math:`\mathcal N(x; \mathrm{loc}, LL^\top) |\det L|`. A given value of
     the original site (an initial value, or Pyro's ``condition``) is carried over as
-    :math:`\varepsilon = L^{-1}(x - \mathrm{loc})`. Observed sites are refused: a
-    likelihood has nothing to non-centre.
+    :math:`\varepsilon = L^{-1}(x - \mathrm{loc})`, observed if it was (a model
+    conditioned on the original site before it is reparameterised), as
+    :class:`~pyro.infer.reparam.LocScaleReparam` does.
     """
 
     def apply(self, msg):
         name, fn, value = msg["name"], msg["fn"], msg["value"]
-        if msg["is_observed"]:
-            raise ValueError(
-                f"MultivariateNormalReparam: site {name!r} is observed; it reparameterises "
-                "latent sites only (leave the likelihood out of the config)"
-            )
         mvn, event_dim = self._unwrap(fn)
         if not isinstance(mvn, torch.distributions.MultivariateNormal):
             raise TypeError(
@@ -86,9 +82,10 @@ class MultivariateNormalReparam(Reparam):
             f"{name}_decentered",
             self._wrap(noise, event_dim),
             obs=decentered,
-            infer={"is_observed": False},
+            infer={"is_observed": msg["is_observed"]},
         )
-        value = loc + torch.matmul(scale_tril, decentered.unsqueeze(-1)).squeeze(-1)
+        if value is None:  # a given value stays the same object, as Pyro expects
+            value = loc + torch.matmul(scale_tril, decentered.unsqueeze(-1)).squeeze(-1)
         # a pyro.deterministic() site: the value, and no density of its own
         return {
             "fn": dist.Delta(value, event_dim=event_dim).mask(False),
