@@ -19,6 +19,7 @@ The bar (the issue's): mean error < 0.2, sd ratios in [0.85, 1.15], correlation 
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -45,6 +46,7 @@ from pyro_implicit.diagnostics.compare import _fit as compare_fit
 from pyro_implicit.diagnostics.compare import posterior_draws
 from pyro_implicit.diagnostics.methods import resolve_name
 from pyro_implicit.elbo.gpvi import gpvi_generator
+from pyro_implicit.optim import Averaged
 from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
 
 #: method (the registry's names) -> how a new user builds it with the defaults: (guide,
@@ -78,8 +80,10 @@ def passes(score):
     )
 
 
-def fit_default(method, problem, steps, precondition, lr=1e-2):
-    """One fit with the constructors' defaults and plain Adam; returns draws ``(S, ...)``."""
+def fit_default(method, problem, steps, precondition, lr=1e-2, average=False):
+    """One fit with the constructors' defaults and plain Adam (with ``average``, a guide's
+    draws from its parameters averaged by :class:`pyro_implicit.optim.Averaged`; the
+    particle method is never averaged); returns draws ``(S, ...)``."""
     model, args = problem.model, problem.args
     optim = pyro.optim.Adam({"lr": lr})
     if method == "wsvgd":
@@ -87,11 +91,14 @@ def fit_default(method, problem, steps, precondition, lr=1e-2):
         for _ in range(steps):
             svgd.step(*args)
         return svgd.get_named_particles()[problem.site]
+    if average:
+        optim = Averaged(optim)
     guide, loss = DEFAULT_METHODS[method](model, precondition)
     svi = SVI(model, guide, optim, loss)
     for _ in range(steps):
         svi.step(*args)
-    return guide.sample_posterior(NUM_DRAWS)[problem.site]
+    with optim.averaged() if average else contextlib.nullcontext():
+        return guide.sample_posterior(NUM_DRAWS)[problem.site]
 
 
 def fit_compare(method, problem, steps, precondition):
@@ -115,7 +122,7 @@ def fit_compare(method, problem, steps, precondition):
     return draws[problem.site]
 
 
-def run(methods, problems, steps, precondition, settings, seed, dtype, log=print):
+def run(methods, problems, steps, precondition, settings, seed, dtype, log=print, average=False):
     rows = []
     for name in problems:
         for method in methods:
@@ -124,8 +131,10 @@ def run(methods, problems, steps, precondition, settings, seed, dtype, log=print
             pyro.clear_param_store()
             pyro.set_rng_seed(seed)
             start = time.perf_counter()
-            fit = fit_default if settings == "defaults" else fit_compare
-            draws = fit(method, problem, steps, precondition)
+            if settings == "defaults":
+                draws = fit_default(method, problem, steps, precondition, average=average)
+            else:
+                draws = fit_compare(method, problem, steps, precondition)
             seconds = time.perf_counter() - start
             score = score_draws(draws, problem.posterior)
             row = {
@@ -168,6 +177,12 @@ def main(argv=None):
     parser.add_argument("--settings", choices=["defaults", "compare"], default="defaults")
     parser.add_argument("--no-precondition", dest="precondition", action="store_false")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--average",
+        action="store_true",
+        help="defaults only: train with pyro_implicit.optim.Averaged(Adam) and draw from "
+        "the guides' averaged parameters (wsvgd as without)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
@@ -186,6 +201,7 @@ def main(argv=None):
         args.settings,
         args.seed,
         dtype,
+        average=args.average,
     )
     print(markdown(rows))
     if args.out:
