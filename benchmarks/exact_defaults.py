@@ -26,6 +26,7 @@ import time
 
 import pyro
 import torch
+from _averaging import Averaged
 from _provenance import provenance
 from pyro.infer import SVI
 
@@ -46,7 +47,6 @@ from pyro_implicit.diagnostics.compare import _fit as compare_fit
 from pyro_implicit.diagnostics.compare import posterior_draws
 from pyro_implicit.diagnostics.methods import resolve_name
 from pyro_implicit.elbo.gpvi import gpvi_generator
-from pyro_implicit.optim import Averaged
 from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score_draws
 
 #: method (the registry's names) -> how a new user builds it with the defaults: (guide,
@@ -82,7 +82,7 @@ def passes(score):
 
 def fit_default(method, problem, steps, precondition, lr=1e-2, average=False):
     """One fit with the constructors' defaults and plain Adam (with ``average``, a guide's
-    draws from its parameters averaged by :class:`pyro_implicit.optim.Averaged`; the
+    draws from its parameters averaged by ``_averaging.Averaged``; the
     particle method is never averaged); returns draws ``(S, ...)``."""
     model, args = problem.model, problem.args
     optim = pyro.optim.Adam({"lr": lr})
@@ -180,7 +180,7 @@ def main(argv=None):
     parser.add_argument(
         "--average",
         action="store_true",
-        help="defaults only: train with pyro_implicit.optim.Averaged(Adam) and draw from "
+        help="defaults only: train with _averaging.Averaged(Adam) and draw from "
         "the guides' averaged parameters (wsvgd as without)",
     )
     parser.add_argument("--seed", type=int, default=0)

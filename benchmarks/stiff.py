@@ -55,6 +55,7 @@ import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from _averaging import Averaged
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoMultivariateNormal, AutoNormal
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
@@ -74,7 +75,6 @@ from pyro_implicit.models import (
     banana_model,
     eight_schools_model,
 )
-from pyro_implicit.optim import Averaged
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = ROOT / "benchmarks" / "results" / "stiff_reference"
@@ -842,6 +842,7 @@ def fit_one(
     with_diagnostics=False,
     reparam=False,
     average=False,
+    lr_decay=None,
 ):
     """Fit one (model, method, precondition) and score it against ``reference``; with
     ``reparam`` the fit is of :func:`non_centred` ``(model)`` and its draws of the
@@ -861,10 +862,15 @@ def fit_one(
         "seed": seed,
         "reparam": bool(reparam),
         "average": bool(average),
+        "lr_decay": lr_decay,
     }
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    optim = pyro.optim.Adam({"lr": lr})
+    if lr_decay is None:
+        optim = pyro.optim.Adam({"lr": lr})
+    else:
+        # compare's schedule: ClippedAdam, the rate decayed geometrically to lr * lr_decay
+        optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": lr_decay ** (1.0 / max(steps, 1))})
     # a particle method's particles are the draws: averaging each particle's path would
     # shrink the cloud, so only the guides' parameters are averaged
     average = average and (method in _AUTOGUIDES or METHODS[method].kind != "particles")
@@ -987,8 +993,14 @@ def markdown(record):
         "",
         f"`{record['command']}` (commit {record['git_commit'][:10]}"
         f"{', dirty tree' if record['git_dirty'] else ''}, {record['date']}). "
-        f"{record['settings']['steps']} steps of Adam(lr {record['settings']['lr']:g}), "
-        f"{record['settings']['num_draws']} draws per guide "
+        f"{record['settings']['steps']} steps of "
+        + (
+            f"Adam(lr {record['settings']['lr']:g}), "
+            if record["settings"].get("lr_decay") is None
+            else f"ClippedAdam(lr {record['settings']['lr']:g} decayed to "
+            f"{record['settings']['lr_decay']:g} of it), "
+        )
+        + f"{record['settings']['num_draws']} draws per guide "
         f"(wsvgd: its particles), seed {record['settings']['seed']}, "
         "float64, one thread."
         + (
@@ -999,7 +1011,7 @@ def markdown(record):
             else ""
         )
         + (
-            " Trained with `pyro_implicit.optim.Averaged(Adam)`; draws from the averaged "
+            " Trained with `_averaging.Averaged(Adam)`; draws from the averaged "
             "parameters (Pyro's autoguides too; `wsvgd` as without)."
             if record["settings"].get("average")
             else ""
@@ -1107,6 +1119,13 @@ def main(argv=None):
     p.add_argument("--precondition", choices=["off", "on", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (every method)")
+    p.add_argument(
+        "--lr-decay",
+        type=float,
+        default=None,
+        help="ClippedAdam with the rate decayed geometrically to this fraction of --lr over "
+        "the run (compare's schedule: 0.1), instead of plain Adam",
+    )
     p.add_argument("--draws", type=int, default=2000, help="posterior draws per guide")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--markdown", help="results table (Markdown)")
@@ -1139,7 +1158,7 @@ def main(argv=None):
     p.add_argument(
         "--average",
         action="store_true",
-        help="train with pyro_implicit.optim.Averaged(Adam) and draw from the averaged "
+        help="train with _averaging.Averaged(Adam) and draw from the averaged "
         "parameters (every guide, Pyro's autoguides too; not the particle methods)",
     )
     p.add_argument(
@@ -1192,7 +1211,10 @@ def main(argv=None):
             "precondition": args.precondition,
             "seed": args.seed,
             "lr": args.lr,
-            "optimizer": "pyro.optim.Adam",
+            "optimizer": "pyro.optim.Adam"
+            if args.lr_decay is None
+            else f"pyro.optim.ClippedAdam, lr decayed to {args.lr_decay:g} x lr",
+            "lr_decay": args.lr_decay,
             "num_draws": args.draws,
             "dtype": "float64",
             "threads": args.threads,
@@ -1243,6 +1265,7 @@ def main(argv=None):
                     with_diagnostics=args.diagnostics,
                     reparam=args.reparam,
                     average=args.average,
+                    lr_decay=args.lr_decay,
                 )
                 row["nuts_wall_time"] = meta["wall_time"]
                 if row["status"] == "ok":

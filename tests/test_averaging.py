@@ -1,4 +1,4 @@
-"""``pyro_implicit.optim.Averaged`` against closed forms: the averaging weights, the
+"""``Averaged`` (``benchmarks/_averaging.py``) against closed forms: the averaging weights, the
 stationary noise of SGD on a quadratic that the average removes, and an exact posterior."""
 
 import pyro
@@ -8,7 +8,11 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_implicit.optim import Averaged
+
+@pytest.fixture(scope="module")
+def Averaged(load_benchmark):
+    """The benchmarks' iterate-averaging optimiser (``benchmarks/_averaging.py``)."""
+    return load_benchmark("_averaging").Averaged
 
 
 def _run_sgd(optim, grad_fn, steps, size):
@@ -24,7 +28,7 @@ def _run_sgd(optim, grad_fn, steps, size):
 @pytest.mark.parametrize(
     "eta, expected", [(0.0, lambda t: (t + 1) / 2), (1.0, lambda t: (2 * t + 1) / 3)]
 )
-def test_the_average_has_the_polynomial_decay_weights(eta, expected):
+def test_the_average_has_the_polynomial_decay_weights(Averaged, eta, expected):
     # theta_t = t (SGD at lr 1 on a gradient of -1); eta = 0 averages them uniformly,
     # (T + 1) / 2, eta = 1 with weights proportional to t, (2T + 1) / 3
     optim = Averaged(pyro.optim.SGD({"lr": 1.0}), eta=eta)
@@ -33,7 +37,7 @@ def test_the_average_has_the_polynomial_decay_weights(eta, expected):
     assert optim.averages[p][0].item() == pytest.approx(expected(50), rel=1e-10)
 
 
-def test_the_average_removes_sgds_stationary_noise_on_a_quadratic():
+def test_the_average_removes_sgds_stationary_noise_on_a_quadratic(Averaged):
     # f = h theta^2 / 2 with gradient noise sd s: SGD at lr a has the stationary variance
     # a s^2 / (h (2 - a h)) around the optimum 0; 4000 independent chains, one tensor
     a, h, s, size = 0.1, 1.0, 1.0, 4000
@@ -45,7 +49,7 @@ def test_the_average_removes_sgds_stationary_noise_on_a_quadratic():
     assert optim.averages[p][0].var().item() < stationary / 20
 
 
-def test_the_averaged_guide_is_closer_to_the_exact_posterior():
+def test_the_averaged_guide_is_closer_to_the_exact_posterior(Averaged):
     # 500 replicas of mu ~ N(0, 1), y ~ N(mu, 1), y = 1: each replica's posterior is
     # N(0.5, 1/2); AutoNormal at Adam's constant lr jitters around it, its average does not
     replicas = 500
@@ -69,7 +73,7 @@ def test_the_averaged_guide_is_closer_to_the_exact_posterior():
     assert scale == pytest.approx(1.0, abs=0.05)
 
 
-def test_the_block_swaps_the_averages_in_and_back():
+def test_the_block_swaps_the_averages_in_and_back(Averaged):
     def model():
         pyro.sample("mu", dist.Normal(0.0, 1.0))
         pyro.sample(
@@ -94,7 +98,7 @@ def test_the_block_swaps_the_averages_in_and_back():
     assert optim.optim_objs is optim.optim.optim_objs
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused(Averaged):
     with pytest.raises(TypeError, match="Averaged wraps a pyro.optim.PyroOptim"):
         Averaged(torch.optim.Adam)
     with pytest.raises(TypeError, match="already Averaged"):
