@@ -25,10 +25,11 @@ which weighs iterate :math:`s` about :math:`(s / t)^\eta` (``eta = 0``: the plai
 
 It is a measuring tool here, not part of the library (it was ``pyro_implicit.optim`` for
 the runs of 2026-11-26 that name it; moved unchanged). Averaging a generator's weights is
-not averaging its distribution: LIVI's 1-D exact posteriors came out with sd ratios 0.74
-and 0.80 (the weights drift along the noise's rotations, which leave q unchanged, and
-their average shrinks), and on posteriors still converging at the last step (funnels, the
-banana) the average lags behind (``stiff_average.md``).
+not averaging its distribution (q is not linear in the weights): LIVI's 1-D exact
+posteriors came out with sd ratios 0.74 and 0.80 from the averaged weights, against
+0.97-1.10 from the last iterate (why LIVI's in particular was not measured); and on
+posteriors still converging at the last step (funnels, the banana) the average lags
+behind (``benchmarks/results/stiff_average.md``).
 
 References
 
