@@ -25,7 +25,9 @@ import torch
 from stiff_automvn import compare_over_seeds
 from stiff_report import OURS, _within, merge
 
-AVERAGED = tuple(m for m in OURS if m != "wsvgd") + ("autonormal", "automvn", "autoiaf")
+PYRO = ("autonormal", "automvn", "autoiaf")
+#: the methods whose guide parameters are averaged (not ``wsvgd``'s particles)
+AVERAGED = tuple(m for m in OURS if m != "wsvgd") + PYRO
 
 
 def _key(row):
@@ -173,11 +175,41 @@ def markdown(groups, average_files, plain, averaged, starts):
     return "\n".join(out) + "\n"
 
 
+def decay_section(plain, averaged, decayed, path):
+    """Seed 0 three ways: the last iterate, the average, and compare's decayed schedule."""
+    rows = [_rows(r, OURS + PYRO) for r in (plain, averaged, decayed)]
+    out = [
+        "",
+        "## A decaying learning rate instead (seed 0)",
+        "",
+        f"`{decayed['command']}` (commit {decayed['git_commit'][:7]}"
+        f"{'+dirty' if decayed['git_dirty'] else ''}): `ClippedAdam` with the rate decayed "
+        "geometrically from 1e-2 to 1e-3 over the 2000 steps (`compare`'s schedule), every "
+        f"method, last iterate (`{pathlib.Path(path).name}`). Max mean error in NUTS sds, "
+        "seed 0 (plain and averaged as above; `wsvgd` is not averaged):",
+        "",
+        "| model | method | plain | averaged | decayed |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for model in plain["references"]:
+        for i, method in enumerate(OURS + PYRO):
+            cells = []
+            for r in rows:
+                row = r.get((model, method))
+                ok = row is not None and row["status"] == "ok"
+                cells.append(f"{row['mean_error_max']:.3f}" if ok else "-")
+            out.append(f"| {model if i == 0 else ''} | {method} | {' | '.join(cells)} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", action="append", required=True)
     parser.add_argument("--average", action="append", required=True)
     parser.add_argument("--no-start", dest="start", action="store_false")
+    parser.add_argument(
+        "--decay", default=None, help="a `stiff.py --lr-decay 0.1` run of the first seed"
+    )
     parser.add_argument("--markdown", required=True)
     args = parser.parse_args(argv)
     if len(args.plain) != len(args.average):
@@ -189,6 +221,8 @@ def main(argv=None):
     averaged = [merge([a])[0] for a in args.average]
     starts = start_scores(list(plain[0]["references"])) if args.start else {}
     text = markdown(groups, args.average, plain, averaged, starts)
+    if args.decay:
+        text += decay_section(plain[0], averaged[0], merge([args.decay])[0], args.decay)
     pathlib.Path(args.markdown).write_text(text)
     print(text)
 
