@@ -42,10 +42,13 @@ from pyro.infer.reparam.strategies import AutoReparam, Strategy
 
 __all__ = ["MultivariateNormalReparam", "NonCentred"]
 
+#: the Gaussian families it non-centres (both have ``loc`` and a ``scale_tril``)
+GAUSSIANS = (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal)
+
 
 class MultivariateNormalReparam(Reparam):
-    r"""Non-centres a latent ``MultivariateNormal(loc, scale_tril)`` site (possibly under
-    ``.to_event``): a new latent ``{name}_decentered`` of standard normal noise
+    r"""Non-centres a latent ``MultivariateNormal`` or ``LowRankMultivariateNormal`` site
+    (possibly under ``.to_event``): a new latent ``{name}_decentered`` of standard normal noise
     :math:`\varepsilon` of the same shape, and the original site the deterministic
     :math:`\mathrm{loc} + L\varepsilon` (:math:`L` the distribution's ``scale_tril``,
     however it was given: covariance, precision or factor).
@@ -62,11 +65,12 @@ class MultivariateNormalReparam(Reparam):
     def apply(self, msg):
         name, fn, value = msg["name"], msg["fn"], msg["value"]
         mvn, event_dim = self._unwrap(fn)
-        if not isinstance(mvn, torch.distributions.MultivariateNormal):
+        if not isinstance(mvn, GAUSSIANS):
             raise TypeError(
                 f"MultivariateNormalReparam: site {name!r} is a {type(mvn).__name__}, not a "
-                "MultivariateNormal (use pyro.infer.reparam.LocScaleReparam for Normal-like "
-                "sites, or NonCentred() to choose per site)"
+                "MultivariateNormal or LowRankMultivariateNormal (use "
+                "pyro.infer.reparam.LocScaleReparam for Normal-like sites, or NonCentred() "
+                "to choose per site)"
             )
         loc, scale_tril = mvn.loc, mvn.scale_tril
         shape = mvn.batch_shape + mvn.event_shape
@@ -99,8 +103,8 @@ class NonCentred(Strategy):
     :class:`~pyro.infer.reparam.strategies.AutoReparam` ``(centered=0.0)``
     (location-scale families decentred by
     :class:`~pyro.infer.reparam.LocScaleReparam`, transformed distributions through
-    their base) and :class:`MultivariateNormalReparam` for ``MultivariateNormal`` sites,
-    which ``AutoReparam`` leaves centred.
+    their base) and :class:`MultivariateNormalReparam` for ``MultivariateNormal`` and
+    ``LowRankMultivariateNormal`` sites, which ``AutoReparam`` leaves centred.
 
     Use it as Pyro's strategies: ``NonCentred()(model)``, or
     ``poutine.reparam(model, config=NonCentred())``. After the first run of the model its
@@ -116,6 +120,6 @@ class NonCentred(Strategy):
             fn = msg["fn"]
             while isinstance(fn, torch.distributions.Independent):
                 fn = fn.base_dist
-            if isinstance(fn, torch.distributions.MultivariateNormal):
+            if isinstance(fn, GAUSSIANS):
                 return MultivariateNormalReparam()
         return self._auto.configure(msg)

@@ -58,6 +58,26 @@ def test_non_centred_density_is_the_original_times_the_jacobian():
         assert torch.allclose(values["h"], fn.loc + fn.scale_tril @ eps, atol=1e-12)
 
 
+def test_a_low_rank_site_has_the_density_of_its_scale_tril():
+    # LowRankMultivariateNormal(loc, W, D): x = loc + L eps with L L^T = W W^T + diag(D)
+    def model():
+        scale = pyro.sample("scale", dist.Gamma(torch.tensor(4.0), 4.0))
+        factor = scale * torch.tensor([[1.0], [0.5], [-0.3]])
+        pyro.sample(
+            "x",
+            dist.LowRankMultivariateNormal(torch.ones(STEPS), factor, scale * torch.ones(STEPS)),
+        )
+
+    non_centred = NonCentred()(model)
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        nc = poutine.trace(non_centred).get_trace()
+        values = {k: nc.nodes[k]["value"] for k in ("scale", "x")}
+        centred = poutine.trace(poutine.condition(model, values)).get_trace()
+        expected = centred.log_prob_sum() + _log_det_scale_tril(centred, "x")
+        assert torch.allclose(nc.log_prob_sum(), expected, atol=1e-10)
+
+
 def test_a_given_value_of_the_original_site_carries_over():
     # a model conditioned on the original site, then non-centred: the noise maps back to it
     h0 = torch.tensor([1.0, 2.0, -0.5])
@@ -89,7 +109,13 @@ def test_the_strategy_picks_each_sites_reparameteriser():
         wrapped = pyro.sample(
             "wrapped", dist.MultivariateNormal(torch.zeros(2, STEPS), torch.eye(STEPS)).to_event(1)
         )
-        loc = theta[:, None] + path + wrapped
+        low_rank = pyro.sample(
+            "low_rank",
+            dist.LowRankMultivariateNormal(
+                torch.zeros(STEPS), tau * torch.ones(STEPS, 1), torch.ones(STEPS)
+            ),
+        )
+        loc = theta[:, None] + path + wrapped + low_rank
         pyro.sample("y", dist.MultivariateNormal(loc, torch.eye(STEPS)).to_event(1), obs=y)
 
     strategy = NonCentred()
@@ -98,6 +124,7 @@ def test_the_strategy_picks_each_sites_reparameteriser():
     assert strategy.config["theta"].centered == 0.0
     assert isinstance(strategy.config["path"], MultivariateNormalReparam)
     assert isinstance(strategy.config["wrapped"], MultivariateNormalReparam)
+    assert isinstance(strategy.config["low_rank"], MultivariateNormalReparam)
     assert strategy.config["y"] is None  # the likelihood stays as it is
     assert trace.nodes["wrapped_decentered"]["value"].shape == (2, STEPS)
     assert trace.nodes["wrapped_decentered"]["fn"].event_dim == 2
