@@ -56,6 +56,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from _averaging import Averaged
+from _schedules import PlateauDecay, StationaryDecay
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoMultivariateNormal, AutoNormal
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
@@ -843,6 +844,7 @@ def fit_one(
     reparam=False,
     average=False,
     lr_decay=None,
+    schedule=None,
 ):
     """Fit one (model, method, precondition) and score it against ``reference``; with
     ``reparam`` the fit is of :func:`non_centred` ``(model)`` and its draws of the
@@ -863,6 +865,7 @@ def fit_one(
         "reparam": bool(reparam),
         "average": bool(average),
         "lr_decay": lr_decay,
+        "schedule": schedule,
     }
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
@@ -871,6 +874,12 @@ def fit_one(
     else:
         # compare's schedule: ClippedAdam, the rate decayed geometrically to lr * lr_decay
         optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": lr_decay ** (1.0 / max(steps, 1))})
+    if schedule == "stationary":
+        # the rate decays only once Adam's moments say the gradient is noise
+        optim = StationaryDecay(optim)
+    elif schedule == "plateau":
+        # the rate decays only once the loss has stopped falling
+        optim = PlateauDecay(optim)
     # a particle method's particles are the draws: averaging each particle's path would
     # shrink the cloud, so only the guides' parameters are averaged
     average = average and (method in _AUTOGUIDES or METHODS[method].kind != "particles")
@@ -896,6 +905,8 @@ def fit_one(
             if isinstance(out, dict):
                 out = -out["log_joint"] if "log_joint" in out else sum(out.values())
             losses.append(float(out))
+            if isinstance(optim, PlateauDecay):
+                optim.record(out)
         fit_time = time.perf_counter() - start
         start = time.perf_counter()
         with optim.averaged() if average else contextlib.nullcontext():
@@ -918,6 +929,9 @@ def fit_one(
     finally:
         pyro.clear_param_store()
     metrics = compare_samples(draws, reference, sites=list(reference))
+    if isinstance(optim, StationaryDecay):
+        # (step, ratio, rate scale) of every test: where the rate began to decay
+        row["schedule_history"] = optim.history
     window = losses[-max(1, steps // 10) :]
     row.update(
         status="ok",
@@ -1120,6 +1134,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (every method)")
     p.add_argument(
+        "--schedule",
+        choices=["stationary", "plateau"],
+        default=None,
+        help="stationary: Adam whose rates decay only once its moments say the gradient "
+        "is noise; plateau: once the loss has stopped falling (benchmarks/_schedules.py)",
+    )
+    p.add_argument(
         "--lr-decay",
         type=float,
         default=None,
@@ -1215,6 +1236,7 @@ def main(argv=None):
             if args.lr_decay is None
             else f"pyro.optim.ClippedAdam, lr decayed to {args.lr_decay:g} x lr",
             "lr_decay": args.lr_decay,
+            "schedule": args.schedule,
             "num_draws": args.draws,
             "dtype": "float64",
             "threads": args.threads,
@@ -1266,6 +1288,7 @@ def main(argv=None):
                     reparam=args.reparam,
                     average=args.average,
                     lr_decay=args.lr_decay,
+                    schedule=args.schedule,
                 )
                 row["nuts_wall_time"] = meta["wall_time"]
                 if row["status"] == "ok":
