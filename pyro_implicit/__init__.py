@@ -5,7 +5,7 @@ The public API is re-exported here; each name lives in one module with its paper
 
 import logging
 
-from . import contract, errors, kernels, particles
+from . import contract, errors, kernels, particles, reparam
 from .elbo import (
     GPVI_ELBO,
     LIVI_ELBO,
@@ -53,6 +53,7 @@ __all__ = [
     "FunctionSpaceSVGD",
     "WeightSpaceSVGD",
     "particles",
+    "reparam",
     "ImplicitAutoGuide",
     "ImplicitGuide",
     "KernelRatioELBO",
