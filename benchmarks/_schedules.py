@@ -80,14 +80,20 @@ class StationaryDecay(PyroOptim):
             return
         ratio = num / den
         noise = (1 - beta1) / (1 + beta1)
-        if ratio < self.factor * noise and self.scale > self.floor:
-            new = max(self.floor, self.scale * self.decay)
-            for opt in self.optim.optim_objs.values():
-                for group in opt.param_groups:
-                    base = self._base.setdefault(id(group), group["lr"] / self.scale)
-                    group["lr"] = base * new
-            self.scale = new
+        if ratio < self.factor * noise:
+            self._decay()
         self.history.append((self.steps, ratio, self.scale))
+
+    def _decay(self):
+        """Multiply every rate by ``decay``, down to ``floor`` times its start."""
+        if self.scale <= self.floor:
+            return
+        new = max(self.floor, self.scale * self.decay)
+        for opt in self.optim.optim_objs.values():
+            for group in opt.param_groups:
+                base = self._base.setdefault(id(group), group["lr"] / self.scale)
+                group["lr"] = base * new
+        self.scale = new
 
     def get_state(self):
         return self.optim.get_state()
@@ -143,12 +149,6 @@ class PlateauDecay(StationaryDecay):
             + prev.reshape(batches, -1).mean(1).var() / batches
         ).sqrt()
         fall = (prev.mean() - last.mean()).item()
-        stalled = fall < self.z * se.item()
-        if stalled and self.scale > self.floor:
-            new = max(self.floor, self.scale * self.decay)
-            for opt in self.optim.optim_objs.values():
-                for group in opt.param_groups:
-                    base = self._base.setdefault(id(group), group["lr"] / self.scale)
-                    group["lr"] = base * new
-            self.scale = new
+        if fall < self.z * se.item():
+            self._decay()
         self.history.append((self.steps, fall / max(se.item(), 1e-12), self.scale))
