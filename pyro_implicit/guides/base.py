@@ -461,7 +461,17 @@ class ImplicitAutoGuide(AutoContinuous):
             self._store_preconditioner()
             self._store_layers()
             return
-        self._check_saved_layers(self._saved_layer_code())
+        try:
+            self._check_saved_layers(self._saved_layer_code())
+        except ValueError as e:
+            cls = type(self).__name__
+            raise ValueError(
+                f"Pyro's param store holds another {cls}'s state under this guide's names (a "
+                f"loaded file, or another {cls} fitted since: guides of one class share the "
+                f"store's names, as Pyro's autoguides do), and {e}. To draw from this guide's "
+                "own fit, draw before fitting the next guide, or call "
+                "pyro.clear_param_store() first (this guide then stores its own state again)"
+            ) from e
         like = self._noise_reference.new_zeros(self.latent_dim)
         stored = self._stored_preconditioner(like)
         if stored is not None and not _same_preconditioner(stored, self.preconditioner):
