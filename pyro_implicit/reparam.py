@@ -1,4 +1,4 @@
-r"""Non-centring: the one change of a model's coordinates that removes a funnel.
+r"""Non-centring: the change of a model's coordinates that removes a funnel's neck.
 
 A funnel is a latent whose scale is another latent (``theta ~ Normal(mu, tau)``,
 ``h ~ MultivariateNormal(mu, Q(phi, sigma)^-1)``): where the scale is small the posterior
@@ -10,8 +10,9 @@ Pyro's). Drawing the lower latent as standard noise and a deterministic transfor
 
 .. math:: x = \mathrm{loc} + L\,\varepsilon, \qquad \varepsilon \sim \mathcal N(0, I),
 
-removes the neck: the posterior of :math:`\varepsilon` no longer depends on the scale's
-value (Papaspiliopoulos, Roberts & Skold 2007; Gorinova, Moore & Hoffman 2020).
+takes the neck out of the prior: :math:`\varepsilon`'s prior no longer depends on the
+scale, and where the data say little about the lower latent neither does its posterior
+(Papaspiliopoulos, Roberts & Skold 2007; Gorinova, Moore & Hoffman 2020).
 
 Pyro's :class:`~pyro.infer.reparam.strategies.AutoReparam` ``(centered=0.0)`` does this for
 the location-scale families (``Normal``, ``StudentT``, ...) but leaves a
@@ -31,7 +32,10 @@ become deterministic functions of the new ``{name}_decentered`` latents, so
 of the original sites is unchanged. Non-centring helps where the data say little about
 each lower latent (few observations per group); with many observations per group the
 centred form is the better one (Papaspiliopoulos et al. 2007), so it is a switch, not a
-default.
+default. Measured on the stiff benchmark (``stiff_reparam.md``): the centred eight schools
+and Neal's funnel come within 3.3x NUTS's noise floor for every method of ours; on the
+stochastic-volatility path ``sigma`` widens in every fit but three methods end closer to
+NUTS and three further.
 """
 
 import pyro
