@@ -905,7 +905,8 @@ def fit_one(
             if isinstance(out, dict):
                 out = -out["log_joint"] if "log_joint" in out else sum(out.values())
             losses.append(float(out))
-            if isinstance(optim, PlateauDecay):
+            if schedule == "plateau":
+                # through Averaged too, which hands unknown attributes to what it wraps
                 optim.record(out)
         fit_time = time.perf_counter() - start
         start = time.perf_counter()
@@ -929,7 +930,7 @@ def fit_one(
     finally:
         pyro.clear_param_store()
     metrics = compare_samples(draws, reference, sites=list(reference))
-    if isinstance(optim, StationaryDecay):
+    if schedule is not None:
         # (step, ratio, rate scale) of every test: where the rate began to decay
         row["schedule_history"] = optim.history
     window = losses[-max(1, steps // 10) :]
