@@ -50,7 +50,12 @@ def with_rows(record, replacement, methods):
 
 
 def start_scores(models, num_draws=2000):
-    """The preconditioner's Gaussian scored as a fit: ``{model: joint metrics}``."""
+    """The preconditioner's Gaussian scored as a fit: ``{model: joint metrics}``.
+
+    Built by a guide, seeded as ``stiff.py`` seeds its fits, and not by
+    ``model_preconditioner``: the search starts from a draw of the global stream, and on
+    the centred eight schools, Neal's funnel and stochastic volatility the unseeded model
+    search ends at another Gaussian (e.g. 1.608 against 1.542 sds off on eight schools)."""
     import stiff
 
     from pyro_implicit import SemiImplicitGuide
