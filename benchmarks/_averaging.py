@@ -49,7 +49,38 @@ from pyro.optim import PyroOptim
 __all__ = ["Averaged"]
 
 
-class Averaged(PyroOptim):
+class WrappedOptim(PyroOptim):
+    """A :class:`~pyro.optim.PyroOptim` around another one, which holds the state: its
+    attributes (``optim_objs``, ...) and checkpoints (``get_state`` / ``set_state``) are
+    the wrapped optimiser's. Subclasses add to :meth:`__call__`."""
+
+    def __init__(self, optim):
+        name = type(self).__name__
+        if not isinstance(optim, PyroOptim):
+            raise TypeError(
+                f"{name} wraps a pyro.optim.PyroOptim, e.g. "
+                f"{name}(pyro.optim.Adam({{'lr': 1e-2}})); got {type(optim).__name__}"
+            )
+        # no PyroOptim.__init__: the wrapped optimiser holds the state
+        self.optim = optim
+
+    def __getattr__(self, name):
+        # only reached for attributes not found on self: the wrapped optimiser's
+        if name == "optim":
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+    def __call__(self, params, *args, **kwargs):
+        self.optim(params, *args, **kwargs)
+
+    def get_state(self):
+        return self.optim.get_state()
+
+    def set_state(self, state_dict):
+        self.optim.set_state(state_dict)
+
+
+class Averaged(WrappedOptim):
     """A :class:`~pyro.optim.PyroOptim` that steps ``optim`` and keeps the
     polynomial-decay average of each parameter's iterates (see the module).
 
@@ -62,28 +93,15 @@ class Averaged(PyroOptim):
     """
 
     def __init__(self, optim, eta=2.0):
-        if not isinstance(optim, PyroOptim):
-            raise TypeError(
-                "Averaged wraps a pyro.optim.PyroOptim, e.g. "
-                f"Averaged(pyro.optim.Adam({{'lr': 1e-2}})); got {type(optim).__name__}"
-            )
+        super().__init__(optim)
         if isinstance(optim, Averaged):
             raise TypeError("the optimiser is already Averaged")
         if not eta >= 0:
             raise ValueError(f"eta must be >= 0, got {eta!r}")
-        # no PyroOptim.__init__: the wrapped optimiser holds the state, and attributes
-        # this class lacks (optim_objs, ...) are read from it (see __getattr__)
-        self.optim = optim
         self.eta = float(eta)
         #: ``{parameter: (average, number of iterates)}``, keyed by the stepped tensors
         self.averages = {}
         self._swapped = False
-
-    def __getattr__(self, name):
-        # only reached for attributes not found on self: the wrapped optimiser's
-        if name == "optim":
-            raise AttributeError(name)
-        return getattr(self.optim, name)
 
     def __call__(self, params, *args, **kwargs):
         if self._swapped:
@@ -102,12 +120,6 @@ class Averaged(PyroOptim):
                 else:
                     average.add_(p.detach() - average, alpha=(self.eta + 1) / (count + self.eta))
                 self.averages[p] = (average, count)
-
-    def get_state(self):
-        return self.optim.get_state()
-
-    def set_state(self, state_dict):
-        self.optim.set_state(state_dict)
 
     @contextlib.contextmanager
     def averaged(self):

@@ -22,10 +22,10 @@ References
 """
 
 import torch
-from pyro.optim import PyroOptim
+from _averaging import WrappedOptim
 
 
-class StationaryDecay(PyroOptim):
+class StationaryDecay(WrappedOptim):
     """Steps a Pyro Adam-type optimiser and decays its rates once the gradient is noise
     (see the module).
 
@@ -33,9 +33,7 @@ class StationaryDecay(PyroOptim):
     """
 
     def __init__(self, optim, every=50, warmup=200, factor=2.0, decay=0.7, floor=0.05):
-        if not isinstance(optim, PyroOptim):
-            raise TypeError(f"StationaryDecay wraps a pyro.optim.PyroOptim, got {optim!r}")
-        self.optim = optim
+        super().__init__(optim)
         self.every, self.warmup = int(every), int(warmup)
         self.factor, self.decay, self.floor = float(factor), float(decay), float(floor)
         self.steps = 0
@@ -43,11 +41,6 @@ class StationaryDecay(PyroOptim):
         #: ``(step, ratio, scale)`` at every test
         self.history = []
         self._base = {}
-
-    def __getattr__(self, name):
-        if name == "optim":
-            raise AttributeError(name)
-        return getattr(self.optim, name)
 
     def __call__(self, params, *args, **kwargs):
         params = list(params)
@@ -94,12 +87,6 @@ class StationaryDecay(PyroOptim):
                 base = self._base.setdefault(id(group), group["lr"] / self.scale)
                 group["lr"] = base * new
         self.scale = new
-
-    def get_state(self):
-        return self.optim.get_state()
-
-    def set_state(self, state_dict):
-        self.optim.set_state(state_dict)
 
 
 def _self_check():
