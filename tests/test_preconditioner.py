@@ -211,7 +211,7 @@ def test_failed_laplace_warns_and_never_falls_back_silently(monkeypatch):
     def fail(*args, **kwargs):
         raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
 
-    monkeypatch.setattr("pyro_implicit.latent._gaussian_vi", fail)
+    monkeypatch.setattr("pyro_implicit.latent._GaussianFit.run", fail)
     with pytest.warns(PreconditionerWarning, match="runs unpreconditioned"):
         pre = find_preconditioner(space, init, args)
     assert pre.is_identity
