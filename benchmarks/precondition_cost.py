@@ -90,6 +90,18 @@ def main(argv=None):
         f"log-weight sd of the Laplace {diag.get('laplace_log_weight_sd', float('nan')):.3g}, "
         f"clamped curvatures {diag.get('clamped_curvatures', 0)}"
     )
+    if "gaussian_vi_seconds" in diag:
+        print(
+            f"gaussian fit: {diag['gaussian_vi_seconds']:.2f} s, "
+            f"{diag.get('gaussian_vi_steps', '?')} steps from the "
+            f"{diag.get('gaussian_vi_start', '?')}, "
+            f"ELBO from each start after its first round "
+            + ", ".join(
+                f"{k.rsplit('_', 1)[-1]} {v:.1f}"
+                for k, v in diag.items()
+                if k.startswith("gaussian_vi_elbo_from_")
+            )
+        )
     print(
         f"default step ({args.guide}): median {1e3 * step:.1f} ms over {args.probe_steps}; "
         f"a {args.steps}-step fit {args.steps * step:.1f} s"

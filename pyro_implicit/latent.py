@@ -75,6 +75,10 @@ _VI_START_SCALE = 0.1
 #: steps between two reads of the Gaussian variational fit's ELBO on the check draws
 _VI_CHECK_EVERY = 100
 
+#: most steps of the Gaussian variational fit that goes on in rounds (up to
+#: :data:`_VI_DENSE_LIMIT` coordinates)
+_VI_MAX_STEPS = 3000
+
 #: most Newton steps that polish the MAP where the Hessian is dense
 _NEWTON_STEPS = 3
 
@@ -871,7 +875,7 @@ def find_preconditioner(
     check_draws=256,
     max_log_weight_sd=0.3,
     vi_steps=300,
-    vi_max_steps=3000,
+    vi_max_steps=None,
     vi_tol=0.05,
     vi_draws=16,
     vi_lr=0.05,
@@ -890,9 +894,11 @@ def find_preconditioner(
        starting point with unit scales (a funnel's mode sits in its neck, where a fit
        started there stays). Each runs ``vi_steps`` steps; the one with the higher ELBO
        on the check draws goes on in rounds of ``vi_steps`` while a round raises its mean
-       ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all), then
-       settles in a last round whose rate decays tenfold. It replaces the Laplace if its
-       ELBO, on the same check draws, is higher. A Hessian
+       ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all; ``None``:
+       :data:`_VI_MAX_STEPS` up to :data:`_VI_DENSE_LIMIT` coordinates, beyond that
+       ``vi_steps``), then settles in a last round whose rate decays tenfold; with no
+       room for rounds, each start's one round decays. The fit replaces the Laplace if
+       its ELBO, on the same check draws, is higher. A Hessian
        that is not negative definite has its curvatures taken in absolute value
        (saddle-free). Where the MAP or a finite Hessian cannot be had, the variational fits
        start from the best point L-BFGS reached and a :class:`PreconditionerWarning` says
@@ -969,11 +975,19 @@ def find_preconditioner(
             # beyond the dense limit the fit only rescales (and shifts) L's columns:
             # fewer draws per step suffice for D + D parameters
             draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
+            # there, too, a network's weights: a fit of their scales improves for
+            # thousands of steps, and rounds until it stops cost more than the 10% of a
+            # default fit the set-up may take (a BNN on boston: 14%,
+            # precondition_cost.md), so one round per start, its rate decayed, is all
+            max_steps = vi_max_steps
+            if max_steps is None:
+                max_steps = _VI_MAX_STEPS if dim <= _VI_DENSE_LIMIT else vi_steps
+            rounds = max_steps >= 3 * vi_steps  # a first round, one more, the settling one
             fits = []
             for label, vi_start in starts:
                 try:
                     fit = _GaussianFit(space, vi_start, args, kwargs, draws, vi_lr, seed, eps)
-                    level = fit.run(vi_steps)
+                    level = fit.run(vi_steps, decay=1.0 if rounds else 0.1)
                 except (ValueError, RuntimeError) as e:
                     problem = (problem + "; " if problem else "") + (
                         f"the Gaussian fit from the {label} failed ({e})"
@@ -988,14 +1002,15 @@ def find_preconditioner(
                 # 2000), a near-Gaussian one is done in a few hundred
                 level, label, fit = max(fits, key=lambda entry: entry[0])
                 try:
-                    while fit.steps + 2 * vi_steps <= vi_max_steps:
+                    while rounds and fit.steps + 2 * vi_steps <= max_steps:
                         risen = fit.run(vi_steps)
                         if not risen > level + vi_tol:
                             break
                         level = risen
                     # a decaying rate settles the last iterate at the optimum instead of
                     # leaving it one draw of Adam's jitter around it
-                    fit.run(vi_steps, decay=0.1)
+                    if rounds:
+                        fit.run(vi_steps, decay=0.1)
                 except (ValueError, RuntimeError) as e:
                     problem = (problem + "; " if problem else "") + (
                         f"the Gaussian fit from the {label} failed after {fit.steps} steps "

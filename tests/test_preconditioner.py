@@ -197,6 +197,25 @@ def test_non_gaussian_mode_is_refined_by_a_gaussian_fit():
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
 
 
+def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises():
+    # the quartic target above at a slow rate, in rounds of 20 steps: one round alone
+    # (no room for more under vi_max_steps) leaves the fit far narrower than the best
+    # Gaussian (sd 1/2); the rounds reach it, and stop long before the cap once a round
+    # no longer raises the ELBO
+    def model():
+        u = pyro.sample("u", dist.Normal(0.0, 1.0))
+        pyro.factor("quartic", -(u**4))
+
+    space, init = space_of(model, ())
+    pre = find_preconditioner(space, init, (), vi_steps=20, vi_lr=0.02)
+    assert pre.source == "gaussian_vi"
+    assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
+    assert 4 * 20 <= pre.diagnostics["gaussian_vi_steps"] <= 1000
+    one_round = find_preconditioner(space, init, (), vi_steps=20, vi_lr=0.02, vi_max_steps=40)
+    assert one_round.diagnostics["gaussian_vi_steps"] == 20  # one decayed round
+    assert one_round.scale_tril.item() < 0.3
+
+
 def test_failed_laplace_warns_and_never_falls_back_silently(monkeypatch):
     model, args, mean, cov = raw_blr()
     space, init = space_of(model, args)
