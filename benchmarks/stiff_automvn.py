@@ -18,7 +18,9 @@ read as
 
 Each ``--seed`` is the comma-separated list of result files that
 ``benchmarks/stiff_report.py`` merges into one seed's table (later rows replace earlier
-ones), in the same order.
+ones), in the same order. ``--before-seed`` groups, given as many times, put an earlier
+state's seed means beside each row (``before err``, ``before energy``), e.g. the files
+without a change's reruns.
 """
 
 import argparse
@@ -84,14 +86,16 @@ def compare_over_seeds(records):
     return lines
 
 
-def markdown(groups, records):
+def markdown(groups, records, before_groups=(), before_records=()):
     rows = compare_over_seeds(records)
+    before = {(r[0], r[1]): r for r in compare_over_seeds(before_records)} if before_records else {}
     n = len(records)
     out = [
         "# The AutoMVN clause over seeds of the stiff benchmark",
         "",
         "`python benchmarks/stiff_automvn.py "
         + " ".join(f"--seed {','.join(g)}" for g in groups)
+        + "".join(f" --before-seed {','.join(g)}" for g in before_groups)
         + f" --markdown ...` (commit {_provenance.git_commit()}). Each seed's table is the merge "
         "`stiff_report.py` makes of its files (their commits are in each seed's markdown "
         "table). Our methods with the "
@@ -100,22 +104,38 @@ def markdown(groups, records):
         "seeds`: at how many seeds the clause (mean error and energy distance no larger "
         "than AutoMVN's) failed.",
         "",
-        "| model | method | mean err | AutoMVN's | energy | AutoMVN's | worse seeds | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| model | method | mean err | AutoMVN's | energy | AutoMVN's | worse seeds | verdict |"
+        + (" before err | before energy | before verdict |" if before else ""),
+        "|---|---|---:|---:|---:|---:|---:|---|" + ("---:|---:|---|" if before else ""),
     ]
     for model, method, err, mvn_err, energy, mvn_energy, worse, verdict in rows:
-        out.append(
+        line = (
             f"| {model} | {method} | {err:.3f} | {mvn_err:.3f} | {energy:.4f} | "
             f"{mvn_energy:.4f} | {worse} of {n} | {verdict} |"
         )
+        if before:
+            b = before.get((model, method))
+            line += f" {b[2]:.3f} | {b[4]:.4f} | {b[7]} |" if b else " - | - | - |"
+        out.append(line)
     out += ["", "Per method, posteriors where it is no worse than AutoMVN on the seed means:", ""]
-    out += ["| method | no worse on average | worse at every seed | of |", "|---|---:|---:|---:|"]
+    out += [
+        "| method | no worse on average | worse at every seed | of |"
+        + (" before: no worse | before: worse at every seed |" if before else ""),
+        "|---|---:|---:|---:|" + ("---:|---:|" if before else ""),
+    ]
     for method in OURS:
         mine = [r for r in rows if r[1] == method]
         if mine:
             good = sum(r[7] == "no worse on average" for r in mine)
             always = sum(r[7] == "worse at every seed" for r in mine)
-            out.append(f"| {method} | {good} | {always} | {len(mine)} |")
+            line = f"| {method} | {good} | {always} | {len(mine)} |"
+            if before:
+                was = [before[r[0], r[1]] for r in mine if (r[0], r[1]) in before]
+                line += (
+                    f" {sum(b[7] == 'no worse on average' for b in was)} |"
+                    f" {sum(b[7] == 'worse at every seed' for b in was)} |"
+                )
+            out.append(line)
     models = sorted({r[0] for r in rows}, key=[r[0] for r in rows].index)
     every = [m for m in models if all(r[7] == "no worse on average" for r in rows if r[0] == m)]
     out += [
@@ -132,11 +152,17 @@ def main(argv=None):
     parser.add_argument(
         "--seed", action="append", required=True, help="one seed's files, comma-separated"
     )
+    parser.add_argument(
+        "--before-seed", action="append", default=[], help="an earlier state's seed files"
+    )
     parser.add_argument("--markdown", required=True)
     args = parser.parse_args(argv)
     groups = [s.split(",") for s in args.seed]
     records = [merge(files)[0] for files in groups]
-    pathlib.Path(args.markdown).write_text(markdown(groups, records))
+    before_groups = [s.split(",") for s in args.before_seed]
+    before_records = [merge(files)[0] for files in before_groups]
+    text = markdown(groups, records, before_groups, before_records)
+    pathlib.Path(args.markdown).write_text(text)
 
 
 if __name__ == "__main__":

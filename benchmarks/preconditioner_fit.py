@@ -1,0 +1,95 @@
+"""The preconditioner's own Gaussian on the stiff posteriors, scored against NUTS.
+
+Every guide starts at the Gaussian :func:`pyro_implicit.latent.find_preconditioner`
+returns, so its distance from the posterior is where each fit begins. This scores that
+Gaussian (2000 draws) against the stiff benchmark's NUTS reference, built the way the
+guides build it (the model's starting point from the same seeded stream), for each
+``--vi-max-steps`` given: ``auto`` (the default rounds) and e.g. ``300`` (one decayed
+300-step round per start, the search before the rounds)::
+
+    python benchmarks/preconditioner_fit.py --models all --vi-max-steps auto,300 \\
+        --markdown benchmarks/results/preconditioner_fit.md
+
+One torch thread, float64, as ``stiff.py``.
+"""
+
+import argparse
+import pathlib
+import time
+
+import _provenance
+import pyro
+import stiff
+import torch
+
+from pyro_implicit import SemiImplicitGuide
+from pyro_implicit.diagnostics.metrics import compare_samples
+from pyro_implicit.latent import find_preconditioner
+
+
+def score(name, vi_max_steps, seed=0, num_draws=2000):
+    """``dict`` of the Gaussian's joint metrics against NUTS, its source, the Gaussian fit's
+    steps and the search's seconds."""
+    model, args, kwargs, _ = stiff.MODELS[name]()
+    reference, _ = stiff.load_reference(name)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = SemiImplicitGuide(model, precondition=False)
+    guide(*args, **kwargs)  # builds the packed space and the starting point
+    space = guide.latent_space(*args, **kwargs)
+    start = time.perf_counter()
+    found = find_preconditioner(space, guide._init_loc(), args, kwargs, vi_max_steps=vi_max_steps)
+    seconds = time.perf_counter() - start
+    z = torch.randn(num_draws, space.latent_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        values = space.unpack(found.unwhiten(z.to(found.loc)))
+    draws = {k: values[k].reshape((num_draws,) + reference[k].shape[1:]) for k in reference}
+    joint = compare_samples(draws, reference, sites=list(reference))["joint"]
+    pyro.clear_param_store()
+    return dict(
+        joint,
+        source=found.source,
+        vi_steps=found.diagnostics.get("gaussian_vi_steps", 0),
+        seconds=seconds,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="all")
+    parser.add_argument("--vi-max-steps", default="auto,300")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    models = list(stiff.MODELS) if args.models == "all" else args.models.split(",")
+    budgets = [None if b == "auto" else int(b) for b in args.vi_max_steps.split(",")]
+    lines = [
+        "# The preconditioner's Gaussian against NUTS",
+        "",
+        f"`{_provenance.command_line(__file__, argv)}` (commit {_provenance.git_commit()}, "
+        f"{_provenance.utc_now()}, one thread, float64, seed {args.seed}). Max mean error "
+        "in NUTS sds, sd ratio range and energy distance of 2000 draws of the Gaussian "
+        "every guide starts at; `vi steps`: the Gaussian fit's steps from the start it "
+        "kept (0: the Laplace passed its check); `s`: the search's seconds.",
+        "",
+        "| model | vi_max_steps | source | mean err | sd ratio | energy | vi steps | s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in models:
+        for budget in budgets:
+            row = score(name, budget, seed=args.seed)
+            label = "auto" if budget is None else str(budget)
+            line = (
+                f"| {name} | {label} | {row['source']} | {row['mean_error_max']:.3f} | "
+                f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f} | "
+                f"{row['energy_distance']:.4f} | {row['vi_steps']} | {row['seconds']:.1f} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+    pathlib.Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
