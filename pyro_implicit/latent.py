@@ -793,7 +793,7 @@ class _GaussianFit:
             (dim,), math.log(_VI_START_SCALE), dtype=ref.dtype, requires_grad=True
         )
         self.params = [self.shift, self.log_diag]
-        groups = [{"params": [self.shift, self.log_diag]}]
+        groups = [{"params": list(self.params)}]
         if self.dense:
             self.lower = torch.zeros(dim, dim, dtype=ref.dtype, requires_grad=True)
             self.params.append(self.lower)
@@ -813,11 +813,11 @@ class _GaussianFit:
         :class:`ValueError`."""
         saved = [p.detach().clone() for p in self.params]
         steps, elbos = self.steps, []
+        dim = self.shift.shape[-1]
         try:
             for step in range(num_steps):
                 for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
                     group["lr"] = base * decay ** (step / num_steps)
-                dim = self.shift.shape[-1]
                 eps = torch.randn(
                     self.num_draws, dim, generator=self.gen, dtype=self.shift.dtype
                 ).to(self.shift.device)
