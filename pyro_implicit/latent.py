@@ -641,9 +641,31 @@ def preconditioner_of(guide):
 
 
 # ---------------------------------------------------------------------------- finding it
-def _map_by_lbfgs(space, u0, args, kwargs, max_iter):
+def _scorer(space, args, kwargs, backend):
+    """``u -> (log_density, score)`` of a batch ``u`` ``(N, D)``, detached: replayed from a
+    traced graph of the model (one per batch size, :class:`~pyro_implicit.compiled.
+    CompiledLogDensity`) with ``backend``, else, and wherever the model cannot be traced,
+    Pyro's eager run (:meth:`LatentSpace.score`). The search evaluates the model thousands
+    of times at two batch sizes; on small models Pyro's tracing, not the arithmetic, is
+    most of each evaluation."""
+    compiled = None
+    if backend:
+        from .compiled import CompiledLogDensity
+
+        compiled = CompiledLogDensity(space, backend)
+
+    def score(u):
+        out = None if compiled is None else compiled.score(u, args, kwargs)
+        return out if out is not None else space.score(u, args, kwargs)
+
+    return score
+
+
+def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
     """Maximise the unconstrained log-density from ``u0`` by L-BFGS; ``(u, log_density)``
-    of the best finite point seen (``None`` if none was finite)."""
+    of the best finite point seen (``None`` if none was finite). ``score``: a
+    :func:`_scorer` (default: the space's own)."""
+    score = score or (lambda v: space.score(v, args, kwargs))
     u = u0.detach().clone().requires_grad_(True)
     best = {"u": None, "lp": -math.inf}
     opt = torch.optim.LBFGS(
@@ -657,13 +679,12 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter):
     )
 
     def closure():
-        opt.zero_grad()
-        lp = space.log_density(u[None], args, kwargs)[0]
-        loss = -lp
+        lp, grad = score(u.detach()[None])
+        loss = -lp[0]
         if torch.isfinite(loss):
-            loss.backward()
-            if lp.item() > best["lp"] and torch.isfinite(u.grad).all():
-                best["u"], best["lp"] = u.detach().clone(), lp.item()
+            u.grad = -grad[0]
+            if lp[0].item() > best["lp"] and torch.isfinite(u.grad).all():
+                best["u"], best["lp"] = u.detach().clone(), lp[0].item()
         else:
             # a non-finite value: make the line search back off
             loss = torch.full_like(loss, math.inf)
@@ -778,8 +799,9 @@ class _GaussianFit:
     (:meth:`run`) that resume one optimiser, so that :func:`find_preconditioner` can go
     on while the fit still improves and stop when it does not."""
 
-    def __init__(self, space, start, args, kwargs, num_draws, lr, seed, check_eps):
+    def __init__(self, space, start, args, kwargs, num_draws, lr, seed, check_eps, score=None):
         self.space, self.start, self.args, self.kwargs = space, start, args, kwargs
+        self.score = score or (lambda u: space.score(u, args, kwargs))
         self.num_draws, self.check_eps, self.steps = num_draws, check_eps, 0
         dim = space.latent_dim
         self.dense = start.kind == "dense" and dim <= _VI_DENSE_LIMIT
@@ -825,12 +847,14 @@ class _GaussianFit:
                 if self.dense:
                     white = white + eps @ self.lower.tril(-1).T
                 u = self.start.unwhiten(self.shift + white)
-                lp = self.space.log_density(u, self.args, self.kwargs)
-                loss = -(lp.mean() + self.log_diag.sum())
-                if not torch.isfinite(loss):
+                lp, grad = self.score(u.detach())
+                if not torch.isfinite(lp.mean() + self.log_diag.sum()):
                     raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
+                # the reparameterised gradient of -ELBO: the model's score, passed back
+                # through u = m + L(a + B e), and the exact Gaussian entropy's
+                surrogate = -((u * grad).sum(-1).mean() + self.log_diag.sum())
                 self.opt.zero_grad()
-                loss.backward()
+                surrogate.backward()
                 self.opt.step()
                 self.steps += 1
                 if (step + 1) % check_every == 0 or step + 1 == num_steps:
@@ -880,6 +904,7 @@ def find_preconditioner(
     vi_draws=16,
     vi_lr=0.05,
     seed=0,
+    compile="fx",
 ):
     r"""Find :math:`(m, L)` with :math:`N(m, LL^\top)` close to the posterior of ``space``.
 
@@ -909,6 +934,11 @@ def find_preconditioner(
 
     :param LatentSpace space: the model's packed space.
     :param torch.Tensor init_loc: ``(D,)`` starting point (e.g. the guide's ``init_loc``).
+    :param compile: ``"fx"`` (default): the MAP search and the Gaussian fits score the
+        model with traced graphs (:class:`~pyro_implicit.compiled.CompiledLogDensity`, one
+        per batch size; the same values to float rounding, and the eager run wherever a
+        model cannot be traced); ``"inductor"`` compiles them too; ``False``: Pyro's eager
+        run every time.
     :return: the preconditioner, with ``source`` saying which step produced it and
         ``diagnostics`` (a dict: MAP log-density, log-weight sd, ELBOs, seconds).
     :rtype: Preconditioner
@@ -928,8 +958,9 @@ def find_preconditioner(
             space.log_density(init_loc[None], args, kwargs)
         problem = None
         u_map = None
+        score = _scorer(space, args, kwargs, compile)
         try:
-            u_map, lp_map = _map_by_lbfgs(space, init_loc, args, kwargs, max_iter)
+            u_map, lp_map = _map_by_lbfgs(space, init_loc, args, kwargs, max_iter, score)
             diagnostics["map_seconds"] = time.perf_counter() - start_time
             diagnostics["map_log_density"] = lp_map
         except RuntimeError as e:
@@ -986,7 +1017,9 @@ def find_preconditioner(
             fits = []
             for label, vi_start in starts:
                 try:
-                    fit = _GaussianFit(space, vi_start, args, kwargs, draws, vi_lr, seed, eps)
+                    fit = _GaussianFit(
+                        space, vi_start, args, kwargs, draws, vi_lr, seed, eps, score
+                    )
                     level = fit.run(vi_steps, decay=1.0 if rounds else 0.1)
                 except (ValueError, RuntimeError) as e:
                     problem = (problem + "; " if problem else "") + (

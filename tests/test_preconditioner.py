@@ -216,6 +216,36 @@ def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises():
     assert one_round.scale_tril.item() < 0.3
 
 
+def test_the_search_scores_by_a_traced_graph_with_the_eager_results(monkeypatch):
+    # a quartic u with v | u ~ N(u / 2, 0.3^2): not Gaussian at its mode, so the search
+    # runs L-BFGS, the Laplace, its check and Gaussian fits in rounds; the traced graph
+    # (compile="fx") must reach the same Gaussian as Pyro's eager runs, with a fraction
+    # of the model runs
+    def model():
+        u = pyro.sample("u", dist.Normal(0.0, 1.0))
+        pyro.sample("v", dist.Normal(0.5 * u, 0.3))
+        pyro.factor("quartic", -(u**4))
+
+    space, init = space_of(model, ())
+    eager_runs = []
+    eager_log_density = space._eager_log_density
+
+    def counted(*args, **kwargs):
+        eager_runs.append(1)
+        return eager_log_density(*args, **kwargs)
+
+    monkeypatch.setattr(space, "_eager_log_density", counted)
+    eager = find_preconditioner(space, init, (), vi_steps=50, compile=False)
+    runs = len(eager_runs)
+    traced = find_preconditioner(space, init, (), vi_steps=50)
+    assert eager.source == traced.source == "gaussian_vi"
+    steps = eager.diagnostics["gaussian_vi_steps"]
+    assert steps >= 3 * 50 and traced.diagnostics["gaussian_vi_steps"] == steps
+    torch.testing.assert_close(traced.loc, eager.loc)
+    torch.testing.assert_close(traced.scale_tril, eager.scale_tril)
+    assert len(eager_runs) - runs < runs / 5
+
+
 def test_failed_laplace_warns_and_never_falls_back_silently(monkeypatch):
     model, args, mean, cov = raw_blr()
     space, init = space_of(model, args)
