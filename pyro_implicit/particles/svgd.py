@@ -854,7 +854,7 @@ class ParticleInference:
 #: Gaussian (``svgd_particles.md``); from the Gaussian fitted in rounds, 300 ended 0.31-0.42
 #: off at seeds 0-2, drifting further into ``phi_raw``'s tail the longer they ran, 600
 #: ended 0.14-0.17 off for about twice the seconds, and the rule's own 990 0.05 at seed 0
-#: for 3.5 times (``svgd_particles_sv_seed*.md``). The cap bounds a step's cost (a BNN's D is in
+#: for 3.2 times (``svgd_particles_sv_seed*.md``). The cap bounds a step's cost (a BNN's D is in
 #: the hundreds); pass ``num_particles`` for more. On the non-centred eight schools (D =
 #: 10, ``compare``'s schedule, seeds 0-3) a few of 100 particles sit far out in ``tau``'s
 #: heavy right tail: 0.46 sds off on average (``tau``'s sd up to 5.5 times NUTS's), 200
