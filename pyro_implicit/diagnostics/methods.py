@@ -158,7 +158,7 @@ def _autoguide_builder(cls):
 #: particles of Pyro's SVGD
 NUM_PARTICLES = 100
 #: particles of ``wsvgd``: WeightSpaceSVGD's own default, thirty per latent dimension
-#: within 100-600 (:func:`~pyro_implicit.particles.svgd.auto_num_particles`)
+#: within 100-300 (:func:`~pyro_implicit.particles.svgd.auto_num_particles`)
 WSVGD_PARTICLES = "auto"
 
 
@@ -281,7 +281,7 @@ _REGISTRY = (
     ),
     Method(
         f"WeightSpaceSVGD(num_particles={WSVGD_PARTICLES!r}: 30 per latent dimension within "
-        "100-600), particle-major SVGD, RBF kernel with the median distance as length scale",
+        "100-300), particle-major SVGD, RBF kernel with the median distance as length scale",
         5e-2,
         _build_wsvgd,
         kind="particles",

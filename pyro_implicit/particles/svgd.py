@@ -852,16 +852,18 @@ class ParticleInference:
 #: stochastic-volatility posterior (D = 33) 100 particles ended 1.57 NUTS sds off (sd
 #: ratios down to 0.11) and 300 ended 0.20 off (0.64) from the preconditioner's one-round
 #: Gaussian (``svgd_particles.md``); from the Gaussian fitted in rounds, 300 ended 0.31-0.42
-#: off at seeds 0-2, drifting further into ``phi_raw``'s tail the longer they ran, 600
-#: ended 0.14-0.17 off for about twice the seconds, and the rule's own 990 0.05 at seed 0
-#: for 3.2 times (``svgd_particles_sv_seed*.md``). The cap bounds a step's cost (a BNN's D is in
-#: the hundreds); pass ``num_particles`` for more. On the non-centred eight schools (D =
-#: 10, ``compare``'s schedule, seeds 0-3) a few of 100 particles sit far out in ``tau``'s
-#: heavy right tail: 0.46 sds off on average (``tau``'s sd up to 5.5 times NUTS's), 200
-#: particles 0.20, 300 particles 0.11, for 1.3 times the seconds
-#: (``benchmarks/results/svgd_particle_count.md``).
+#: off at seeds 0-2, their spread in ``phi_raw``'s tail growing the longer they ran, 600
+#: ended 0.14-0.17 off for about twice the seconds and the rule's own 990 0.05-0.11 for
+#: 3.2-3.9 times (``svgd_particles_sv_seed*.md``). The cap stays at 300 because a step's
+#: cost can grow faster than N: on the 22-coefficient waveform regression (400 rows, the
+#: model broadcasting an (N, 400, 22) product) a step took 11 ms with 300 particles and 61
+#: with 600, where 100 already fit as well. Pass ``num_particles`` for more. On the
+#: non-centred eight schools (D = 10, ``compare``'s schedule, seeds 0-3) a few of 100
+#: particles sit far out in ``tau``'s heavy right tail: 0.46 sds off on average (``tau``'s
+#: sd up to 5.5 times NUTS's), 200 particles 0.20, 300 particles 0.11, for 1.3 times the
+#: seconds (``benchmarks/results/svgd_particle_count.md``).
 PARTICLES_PER_DIM = 30
-AUTO_PARTICLES = (100, 600)
+AUTO_PARTICLES = (100, 300)
 
 
 def _count_of(init_particles):
@@ -903,11 +905,13 @@ class WeightSpaceSVGD(ParticleInference):
     the width grows (f-POVI, Sec. 2 and Fig. 5);
     :class:`~pyro_implicit.particles.FunctionSpaceSVGD` fixes that.
 
-    Defaults: ``num_particles="auto"``, thirty per latent dimension within 100-600
+    Defaults: ``num_particles="auto"``, thirty per latent dimension within 100-300
     (:func:`auto_num_particles`; on a D = 33 stochastic-volatility posterior 300 particles
-    ended 0.31-0.42 NUTS sds off at seeds 0-2 and 600 ended 0.14-0.17 off; on the
-    non-centred eight schools, D = 10, 100 particles ended 0.46 sds off on average over
-    four seeds and 300 ended 0.11), the model's plate nesting read on the first step.
+    ended 0.31-0.42 NUTS sds off at seeds 0-2 and 600 ended 0.14-0.17 off: pass
+    ``num_particles`` above the cap where D exceeds 10 and the posterior has a heavy tail
+    or a funnel; on the non-centred eight schools, D = 10, 100 particles ended 0.46 sds off
+    on average over four seeds and 300 ended 0.11), the model's plate nesting read on the
+    first step.
 
     ``compile="fx"`` (default) scores the particles with a traced graph of the model's
     log-density (:meth:`~pyro_implicit.latent.LatentSpace.compile`: the model's Python
