@@ -80,6 +80,27 @@ STEIN_VARIANTS = [
     ),
 ]
 
+#: the kernel ratio where it should be at its best, a 2-D posterior (``--set two_d``, run on
+#: the banana): its settings one at a time, the contrast following q, and the Stein score
+#: estimate on the same scaled generator layers the kernel ratio asks for
+KIVI_TWO_D = [
+    ("default", {}, {}, 1e-2),
+    ("lr 5e-2", {}, {}, 5e-2),
+    ("standard layers", {"parametrization": "standard"}, {}, 1e-2),
+    ("400 particles", {}, {"num_particles": 400}, 1e-2),
+    ("regularizer 1e-5", {}, {"regularizer": 1e-5}, 1e-2),
+    ("regularizer 1e-2", {}, {"regularizer": 1e-2}, 1e-2),
+    ("regularizer 1e-1", {}, {"regularizer": 1e-1}, 1e-2),
+    ("contrast full (q's moments)", {}, {"adaptive_contrast": "full"}, 1e-2),
+    (
+        "regularizer 1e-2 + contrast rate 0.02",
+        {},
+        {"regularizer": 1e-2, "contrast_rate": 0.02},
+        1e-2,
+    ),
+    ("SteinScoreELBO, scaled layers", {"parametrization": "scaled"}, {"loss": "stein"}, 1e-2),
+]
+
 #: SVGD variants: (label, WeightSpaceSVGD kwargs, lr)
 SVGD_VARIANTS = [
     ("default (100, median)", {}, 1e-2),
@@ -180,6 +201,8 @@ def markdown(record):
             "combined",
             "stein": "# The Stein score estimate against the kernel ratio, on the draws' own "
             "Gaussian",
+            "two_d": "# The kernel ratio on a 2-D posterior: its settings, and the Stein "
+            "score estimate on the same layers",
         }.get(
             record["settings"].get("set"),
             "# Why the kernel ratio and weight-space SVGD miss: one factor at a time",
@@ -236,7 +259,11 @@ def _jobs(name, reference, methods, args):
     """``(method, variant, thunk)`` for every variant of the chosen methods."""
     jobs = []
     if "kivi" in methods:
-        variants = {"combined": KIVI_COMBINED, "stein": STEIN_VARIANTS}.get(args.set, KIVI_VARIANTS)
+        variants = {
+            "combined": KIVI_COMBINED,
+            "stein": STEIN_VARIANTS,
+            "two_d": KIVI_TWO_D,
+        }.get(args.set, KIVI_VARIANTS)
         for label, guide_kwargs, loss_kwargs, lr in variants:
             jobs.append(
                 (
@@ -273,7 +300,7 @@ def main(argv=None):
     p.add_argument("--from-json", help="only rewrite --markdown from this results file")
     p.add_argument(
         "--set",
-        choices=["single", "combined", "stein"],
+        choices=["single", "combined", "stein", "two_d"],
         default="single",
         help="KIVI variants: one factor at a time, combinations, or the Stein "
         "score estimate against the kernel ratio",

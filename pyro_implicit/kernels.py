@@ -48,12 +48,8 @@ def squared_distances(x, y=None):
     :return: ``(..., N, M)`` squared distances.
     :rtype: torch.Tensor
     """
-    if y is None:  # one set against itself: its norms are the Gram matrix's diagonal
-        x = x - x.detach().mean(-2, keepdim=True)
-        gram = x @ x.transpose(-1, -2)
-        sq = gram.diagonal(dim1=-2, dim2=-1)
-        d2 = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * gram
-        return d2.clamp(min=0)
+    if y is None:
+        y = x
     if x.shape[-1] != y.shape[-1]:
         raise ValueError(f"dimension mismatch: x has D={x.shape[-1]}, y has D={y.shape[-1]}")
     center = torch.cat([x.detach(), y.detach()], dim=-2).mean(-2, keepdim=True)
