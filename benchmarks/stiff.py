@@ -597,9 +597,10 @@ def reference_path(name):
     return REFERENCE_DIR / f"{name}.pt"
 
 
-def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
-    """Run the gold NUTS of model ``name``, save it under :data:`REFERENCE_DIR` and return
-    its metadata."""
+def _gold_nuts(name, num_chains, num_samples, warmup_steps, seed):
+    """``(result, to_target, nuts_kwargs)``: the gold NUTS run of model ``name``
+    (:data:`GOLD`'s form), the map from its draws to the benchmark model's sites, and the
+    NUTS settings it ran with."""
     gold_model, args, kwargs, mpn, to_target, nuts_kwargs = GOLD[name]()
     result = run_nuts(
         gold_model,
@@ -613,6 +614,13 @@ def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
         nuts_kwargs=nuts_kwargs,
         **kwargs,
     )
+    return result, to_target, nuts_kwargs
+
+
+def run_reference(name, num_chains, num_samples, warmup_steps, seed, command):
+    """Run the gold NUTS of model ``name``, save it under :data:`REFERENCE_DIR` and return
+    its metadata."""
+    result, to_target, nuts_kwargs = _gold_nuts(name, num_chains, num_samples, warmup_steps, seed)
     by_chain = {k: v.detach() for k, v in to_target(result.samples_by_chain).items()}
     # same sites, same order as the benchmark model
     model, margs, mkwargs, _ = MODELS[name]()
@@ -670,19 +678,13 @@ def time_reference(name, meta):
     fits' ``fit s / NUTS s`` is then a ratio measured in one run, on one machine, instead
     of against the wall time stored with the reference (another day, maybe another
     machine)."""
-    gold_model, args, kwargs, mpn, _, nuts_kwargs = GOLD[name]()
     settings = meta["settings"]
-    result = run_nuts(
-        gold_model,
-        *args,
-        num_samples=settings["num_samples"],
-        warmup_steps=settings["warmup_steps"],
-        num_chains=settings["num_chains"],
-        seed=meta["seed"],
-        max_plate_nesting=mpn,
-        progress_bar=False,
-        nuts_kwargs=nuts_kwargs,
-        **kwargs,
+    result, _, _ = _gold_nuts(
+        name,
+        settings["num_chains"],
+        settings["num_samples"],
+        settings["warmup_steps"],
+        meta["seed"],
     )
     return result.wall_time
 

@@ -641,7 +641,7 @@ def preconditioner_of(guide):
 
 
 # ---------------------------------------------------------------------------- finding it
-def _scorer(space, args, kwargs, backend):
+def _scorer(space, args, kwargs, backend=None):
     """``u -> (log_density, score)`` of a batch ``u`` ``(N, D)``, detached: replayed from a
     traced graph of the model (one per batch size, :class:`~pyro_implicit.compiled.
     CompiledLogDensity`) with ``backend``, else, and wherever the model cannot be traced,
@@ -664,8 +664,8 @@ def _scorer(space, args, kwargs, backend):
 def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
     """Maximise the unconstrained log-density from ``u0`` by L-BFGS; ``(u, log_density)``
     of the best finite point seen (``None`` if none was finite). ``score``: a
-    :func:`_scorer` (default: the space's own)."""
-    score = score or (lambda v: space.score(v, args, kwargs))
+    :func:`_scorer` (default: the eager one)."""
+    score = score or _scorer(space, args, kwargs)
     u = u0.detach().clone().requires_grad_(True)
     best = {"u": None, "lp": -math.inf}
     opt = torch.optim.LBFGS(
@@ -801,7 +801,7 @@ class _GaussianFit:
 
     def __init__(self, space, start, args, kwargs, num_draws, lr, seed, check_eps, score=None):
         self.space, self.start, self.args, self.kwargs = space, start, args, kwargs
-        self.score = score or (lambda u: space.score(u, args, kwargs))
+        self.score = score or _scorer(space, args, kwargs)
         self.num_draws, self.check_eps, self.steps = num_draws, check_eps, 0
         dim = space.latent_dim
         self.dense = start.kind == "dense" and dim <= _VI_DENSE_LIMIT

@@ -856,8 +856,9 @@ class ParticleInference:
 #: ended 0.14-0.17 off for about twice the seconds and the rule's own 990 0.05-0.11 for
 #: 3.2-3.9 times (``svgd_particles_sv_seed*.md``). The cap stays at 300 because a step's
 #: cost can grow faster than N: on the 22-coefficient waveform regression (400 rows, the
-#: model broadcasting an (N, 400, 22) product) a step took 11 ms with 300 particles and 61
-#: with 600, where 100 already fit as well. Pass ``num_particles`` for more. On the
+#: model broadcasting an (N, 400, 22) product) a step took 12 ms with 300 particles and 61
+#: with 600 (``svgd_step_cost.md``), where 100 already fit as well. Pass ``num_particles``
+#: for more. On the
 #: non-centred eight schools (D = 10, ``compare``'s schedule, seeds 0-3) a few of 100
 #: particles sit far out in ``tau``'s heavy right tail: 0.46 sds off on average (``tau``'s
 #: sd up to 5.5 times NUTS's), 200 particles 0.20, 300 particles 0.11, for 1.3 times the
