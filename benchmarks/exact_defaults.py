@@ -52,7 +52,10 @@ from pyro_implicit.targets.conjugate import EXACT_PROBLEMS, exact_problem, score
 #: method (the registry's names) -> how a new user builds it with the defaults: (guide,
 #: loss) or particles
 DEFAULT_METHODS = {
-    "kivi": lambda m, p: (ImplicitGuide(m, precondition=p), KernelRatioELBO()),
+    "kivi": lambda m, p, **options: (
+        ImplicitGuide(m, precondition=p),
+        KernelRatioELBO(**options),
+    ),
     "sivi": lambda m, p: (SemiImplicitGuide(m, precondition=p), SIVI_ELBO()),
     "livi": lambda m, p: (LinearizedGuide(m, precondition=p), LIVI_ELBO()),
     "gpvi": lambda m, p: (
@@ -80,10 +83,11 @@ def passes(score):
     )
 
 
-def fit_default(method, problem, steps, precondition, lr=1e-2, average=False):
+def fit_default(method, problem, steps, precondition, lr=1e-2, average=False, kivi_options=None):
     """One fit with the constructors' defaults and plain Adam (with ``average``, a guide's
     draws from its parameters averaged by ``_averaging.Averaged``; the
-    particle method is never averaged); returns draws ``(S, ...)``."""
+    particle method is never averaged; ``kivi_options``: keyword arguments of
+    ``KernelRatioELBO`` for ``kivi``); returns draws ``(S, ...)``."""
     model, args = problem.model, problem.args
     optim = pyro.optim.Adam({"lr": lr})
     if method == "wsvgd":
@@ -93,7 +97,8 @@ def fit_default(method, problem, steps, precondition, lr=1e-2, average=False):
         return svgd.get_named_particles()[problem.site]
     if average:
         optim = Averaged(optim)
-    guide, loss = DEFAULT_METHODS[method](model, precondition)
+    options = kivi_options if method == "kivi" and kivi_options else {}
+    guide, loss = DEFAULT_METHODS[method](model, precondition, **options)
     svi = SVI(model, guide, optim, loss)
     for _ in range(steps):
         svi.step(*args)
@@ -122,7 +127,18 @@ def fit_compare(method, problem, steps, precondition):
     return draws[problem.site]
 
 
-def run(methods, problems, steps, precondition, settings, seed, dtype, log=print, average=False):
+def run(
+    methods,
+    problems,
+    steps,
+    precondition,
+    settings,
+    seed,
+    dtype,
+    log=print,
+    average=False,
+    kivi_options=None,
+):
     rows = []
     for name in problems:
         for method in methods:
@@ -132,7 +148,9 @@ def run(methods, problems, steps, precondition, settings, seed, dtype, log=print
             pyro.set_rng_seed(seed)
             start = time.perf_counter()
             if settings == "defaults":
-                draws = fit_default(method, problem, steps, precondition, average=average)
+                draws = fit_default(
+                    method, problem, steps, precondition, average=average, kivi_options=kivi_options
+                )
             else:
                 draws = fit_compare(method, problem, steps, precondition)
             seconds = time.perf_counter() - start
@@ -183,6 +201,13 @@ def main(argv=None):
         help="defaults only: train with _averaging.Averaged(Adam) and draw from "
         "the guides' averaged parameters (wsvgd as without)",
     )
+    parser.add_argument(
+        "--kivi-stein-identity",
+        choices=["affine", "mean", "none"],
+        default=None,
+        help="defaults only: KernelRatioELBO(stein_identity=...) for kivi (none: the paper's "
+        "estimate; default: the loss's own default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
@@ -202,6 +227,15 @@ def main(argv=None):
         args.seed,
         dtype,
         average=args.average,
+        kivi_options=(
+            None
+            if args.kivi_stein_identity is None
+            else {
+                "stein_identity": {"none": None}.get(
+                    args.kivi_stein_identity, args.kivi_stein_identity
+                )
+            }
+        ),
     )
     print(markdown(rows))
     if args.out:

@@ -12,6 +12,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_implicit import KernelRatioELBO
 from pyro_implicit.elbo import kernel_kl, kernel_log_ratio
+from pyro_implicit.elbo.kernel_ratio import stein_identity_correction
 from pyro_implicit.kernels import RBFKernel
 
 
@@ -551,3 +552,49 @@ def test_a_runaway_fit_warns_once():
         with warnings.catch_warnings():
             warnings.simplefilter("error", RunawayWarning)
             svi.step(*args)  # once per loss: no second warning
+
+
+@pytest.mark.parametrize("dim", [2, 10, 50])
+def test_stein_identity_makes_the_affine_generators_gradient_exact(dim):
+    # q = N(b, A A^T) drawn as w = A eps + b; the KL(q || N(0, I)) gradient's Monte Carlo
+    # form on these draws, with the exact score -C^-1 (w - w_bar) of the draws' Gaussian,
+    # is mean(w) in b and mean(w eps^T) - A^-T in A (any draws, n > dim + 1)
+    torch.manual_seed(dim)
+    n = 100
+    a = (
+        torch.eye(dim, dtype=torch.float64) + 0.3 * torch.randn(dim, dim) / dim**0.5
+    ).requires_grad_()
+    b = (0.5 * torch.randn(dim, dtype=torch.float64)).requires_grad_()
+    eps = torch.randn(n, dim, dtype=torch.float64)
+    p = torch.randn(n, dim, dtype=torch.float64)
+
+    def gradients(identity):
+        w = eps @ a.T + b
+        kl, _ = kernel_kl(w, p)
+        if identity:
+            kl = kl + stein_identity_correction(kl, w, identity)
+        return torch.autograd.grad(kl, (a, b))
+
+    w = (eps @ a.T + b).detach()
+    exact_a = w.T @ eps / n - torch.linalg.inv(a.detach()).T
+    exact_b = w.mean(0)
+    grad_a, grad_b = gradients("affine")
+    assert torch.allclose(grad_b, exact_b, atol=1e-10)
+    assert torch.allclose(grad_a, exact_a, atol=1e-8)
+    # the mean alone fixes the translation; the paper's estimate fixes neither
+    _, grad_b = gradients("mean")
+    assert torch.allclose(grad_b, exact_b, atol=1e-10)
+    grad_a, grad_b = gradients(None)
+    assert (grad_b - exact_b).norm() > 0.05 * exact_b.norm()
+    assert (grad_a - exact_a).norm() > 0.1 * exact_a.norm()
+
+
+def test_stein_identity_is_zero_in_value_and_only_the_mean_beyond_the_draws():
+    torch.manual_seed(0)
+    loc = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, dtype=torch.float64) + loc  # n = 4 <= dim + 1: mean only
+    kl, _ = kernel_kl(w, torch.randn(4, 3, dtype=torch.float64))
+    term = stein_identity_correction(kl, w, "affine")
+    assert term.item() == 0.0
+    (grad,) = torch.autograd.grad(kl + term, loc)
+    assert torch.allclose(grad, w.detach().mean(0), atol=1e-10)
