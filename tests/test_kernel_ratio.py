@@ -540,7 +540,9 @@ def test_a_runaway_fit_warns_once():
     from pyro_implicit import RunawayWarning
     from pyro_implicit.elbo.kernel_ratio import RUNAWAY_DRIFT
 
-    loss = _WithoutKernelTerm()
+    # the paper's estimate: the Stein identity correction alone supplies q's Gaussian
+    # entropy gradient, with which nothing runs away
+    loss = _WithoutKernelTerm(stein_identity=None)
     with _too_narrow_start(loss) as (svi, _, args, _, _):
         with pytest.warns(RunawayWarning, match="SteinScoreELBO") as caught:
             for _ in range(1000):
@@ -598,3 +600,11 @@ def test_stein_identity_is_zero_in_value_and_only_the_mean_beyond_the_draws():
     assert term.item() == 0.0
     (grad,) = torch.autograd.grad(kl + term, loc)
     assert torch.allclose(grad, w.detach().mean(0), atol=1e-10)
+
+
+def test_the_log_ratio_gradient_is_the_surrogates():
+    zq = torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
+    log_r, info = kernel_log_ratio(zq, torch.randn(30, 3, dtype=torch.float64) + 3.0)
+    assert 0 < info["clipped_fraction"] < 1  # both kinds of draws
+    (grad,) = torch.autograd.grad(log_r.sum(), zq)
+    assert torch.allclose(info["log_ratio_gradient"], grad, atol=1e-12)

@@ -78,7 +78,8 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
     :param float clip: lower clip of :math:`\hat r` before the log.
     :param kernel: a kernel from :mod:`pyro_implicit.kernels` (default RBF, median rule).
     :return: ``(log_r, info)``: ``(n_q,)`` tensor in the dtype of ``q_samples`` and a dict
-        with ``bandwidth`` and ``clipped_fraction``.
+        with ``bandwidth``, ``clipped_fraction`` and ``log_ratio_gradient`` (the detached
+        ``(n_q, D)`` gradient of ``log_r`` at each draw, float64).
     """
     kernel = RBFKernel() if kernel is None else kernel
     dtype = q_samples.dtype
@@ -108,9 +109,13 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
     # value r_value, gradient grad_r: a first-order surrogate in the evaluation points
     r = r_value + (grad_r * (q - q.detach())).sum(-1)
     log_r = torch.log(torch.clamp(r, min=clip))
+    unclipped = r_value > clip
     info = {
         "bandwidth": bandwidth.item(),
-        "clipped_fraction": (r_value <= clip).double().mean().item(),
+        "clipped_fraction": 1.0 - unclipped.double().mean().item(),
+        # the gradient of log_r at each draw, without a backward pass (the Stein identity
+        # correction reads it)
+        "log_ratio_gradient": torch.where(unclipped[:, None], grad_r / r_value[:, None], 0.0),
     }
     return log_r.to(dtype), info
 
@@ -571,6 +576,7 @@ class KernelRatioELBO(ImplicitELBO):
             else:
                 p = torch.cat([p_parts[name] for name in group], dim=-1).to(q.dtype)
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
+                del info["log_ratio_gradient"]  # diagnostics hold numbers
                 group_term = -kl
             latent_term = latent_term + scale * group_term
             info["kl"] = kl.item()
@@ -609,8 +615,13 @@ class KernelRatioELBO(ImplicitELBO):
             whitened = _whiten(contrast, q)
             log_r = _contrast_log_density(contrast, whitened)
         kl, info = self._whitened_kl(whitened)
+        log_ratio_gradient = info.pop("log_ratio_gradient", None)
         if self.stein_identity and kl.requires_grad:
-            kl = kl + stein_identity_correction(kl, whitened, self.stein_identity)
+            # kl = -mean_j log r(w_j): its gradient at draw j is -grad log r(w_j) / n
+            kl_gradient = (
+                None if log_ratio_gradient is None else -log_ratio_gradient / whitened.shape[0]
+            )
+            kl = kl + stein_identity_correction(kl, whitened, self.stein_identity, kl_gradient)
         if ac == "preconditioner":
             self._saturated[key] = info["clipped_fraction"] > 0.5
             info["drift"] = self._last_drift
@@ -894,7 +905,7 @@ def _fit_contrast(q, kind):
     )
 
 
-def stein_identity_correction(kl, w, identity="affine"):
+def stein_identity_correction(kl, w, identity="affine", kl_gradient=None):
     r"""Zero in value; in gradient, the correction that makes the score of q implied by a
     KL estimate's gradient satisfy Stein's identities under q's draws.
 
@@ -918,21 +929,25 @@ def stein_identity_correction(kl, w, identity="affine"):
     :param torch.Tensor w: ``(n, D)`` draws of q in coordinates where the contrast is
         :math:`N(0, I)`.
     :param str identity: ``"mean"`` or ``"affine"``.
+    :param torch.Tensor kl_gradient: the ``(n, D)`` gradient of ``kl`` in ``w`` if known
+        (else one backward pass finds it).
     :return: a scalar tensor, zero, whose gradient is the correction.
     """
-    (grad,) = torch.autograd.grad(kl, w, retain_graph=True)
+    if kl_gradient is None:
+        (kl_gradient,) = torch.autograd.grad(kl, w, retain_graph=True)
     n, dim = w.shape
     draws = w.detach().to(torch.float64)
-    score = n * grad.detach().to(torch.float64) - draws  # the implied score at each draw
-    shift = score.mean(0).expand_as(score)
+    score = n * kl_gradient.detach().to(torch.float64) - draws  # the implied score
+    shift = score.mean(0)
     if identity == "affine" and n > dim + 1:
         centred = draws - draws.mean(0)
+        # E[s (w - w_bar)^T] (-I for the true score; the mean of s drops out) and the
+        # draws' covariance C; B C = E[s (w - w_bar)^T] + I: B (w - w_bar) is the affine
+        # part of s beyond the -C^-1 (w - w_bar) that the identity fixes
         cov = centred.T @ centred / n
-        cross = (score - shift).T @ centred / n  # E[s (w - w_bar)^T], -I for the true score
-        eye = torch.eye(dim, dtype=cov.dtype, device=cov.device)
-        # B C = cross + I: B (w - w_bar) is the affine part to remove beyond -C^-1 (w - w_bar)
-        excess = torch.linalg.solve(cov, cross + eye, left=False)
-        shift = shift + centred @ excess.T
+        cross = score.T @ centred / n
+        cross.diagonal().add_(1.0)
+        shift = shift + centred @ torch.linalg.solve(cov, cross, left=False).T
     term = -(shift.to(w.dtype) * w).sum(-1).mean()
     return term - term.detach()
 
