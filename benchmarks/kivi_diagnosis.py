@@ -101,6 +101,30 @@ KIVI_TWO_D = [
     ("SteinScoreELBO, scaled layers", {"parametrization": "scaled"}, {"loss": "stein"}, 1e-2),
 ]
 
+#: which of Stein's identities the kernel ratio's implied score is made to satisfy
+#: (``--set stein_identity``), and the same loss with the kernel term dropped (what the
+#: correction alone does: the draws' Gaussian entropy); ``"loss": "no_kernel"`` builds
+#: :class:`WithoutKernelTerm`
+KIVI_STEIN_IDENTITY = [
+    ("default (stein_identity='affine')", {}, {}, 1e-2),
+    ("stein_identity='mean'", {}, {"stein_identity": "mean"}, 1e-2),
+    ("stein_identity=None (the paper's)", {}, {"stein_identity": None}, 1e-2),
+    ("'affine', kernel term dropped", {}, {"loss": "no_kernel"}, 1e-2),
+    ("SteinScoreELBO, scaled layers", {"parametrization": "scaled"}, {"loss": "stein"}, 1e-2),
+]
+
+
+class WithoutKernelTerm(KernelRatioELBO):
+    """``KernelRatioELBO`` with the kernel estimate of KL(q || r) dropped (zero value and
+    gradient): with ``stein_identity="affine"`` what is left is the entropy gradient of the
+    draws' own Gaussian, an upper bound on q's entropy."""
+
+    def _whitened_kl(self, z):
+        kl, info = super()._whitened_kl(z)
+        info["log_ratio_gradient"] = torch.zeros_like(info["log_ratio_gradient"])
+        return 0.0 * kl, info
+
+
 #: SVGD variants: (label, WeightSpaceSVGD kwargs, lr)
 SVGD_VARIANTS = [
     ("default (100, median)", {}, 1e-2),
@@ -126,7 +150,9 @@ def fit_kivi(name, guide_kwargs, loss_kwargs, lr, steps, every, seed, reference)
     pyro.set_rng_seed(seed)
     guide = ImplicitGuide(model, **guide_kwargs)
     loss_kwargs = dict(loss_kwargs)
-    cls = SteinScoreELBO if loss_kwargs.pop("loss", None) == "stein" else KernelRatioELBO
+    cls = {"stein": SteinScoreELBO, "no_kernel": WithoutKernelTerm}.get(
+        loss_kwargs.pop("loss", None), KernelRatioELBO
+    )
     elbo = cls(max_plate_nesting=mpn, **loss_kwargs)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), elbo)
     trace, clipped, kls, anchors = [], [], [], 0
@@ -203,6 +229,8 @@ def markdown(record):
             "Gaussian",
             "two_d": "# The kernel ratio on a 2-D posterior: its settings, and the Stein "
             "score estimate on the same layers",
+            "stein_identity": "# The kernel ratio's implied score under Stein's identities: "
+            "none, the mean, the affine part, and the affine part alone",
         }.get(
             record["settings"].get("set"),
             "# Why the kernel ratio and weight-space SVGD miss: one factor at a time",
@@ -263,6 +291,7 @@ def _jobs(name, reference, methods, args):
             "combined": KIVI_COMBINED,
             "stein": STEIN_VARIANTS,
             "two_d": KIVI_TWO_D,
+            "stein_identity": KIVI_STEIN_IDENTITY,
         }.get(args.set, KIVI_VARIANTS)
         for label, guide_kwargs, loss_kwargs, lr in variants:
             jobs.append(
@@ -300,7 +329,7 @@ def main(argv=None):
     p.add_argument("--from-json", help="only rewrite --markdown from this results file")
     p.add_argument(
         "--set",
-        choices=["single", "combined", "stein", "two_d"],
+        choices=["single", "combined", "stein", "two_d", "stein_identity"],
         default="single",
         help="KIVI variants: one factor at a time, combinations, or the Stein "
         "score estimate against the kernel ratio",
