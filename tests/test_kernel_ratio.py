@@ -530,6 +530,7 @@ class _WithoutKernelTerm(KernelRatioELBO):
 
     def _whitened_kl(self, z):
         kl, info = super()._whitened_kl(z)
+        info["log_ratio_gradient"] = torch.zeros_like(info["log_ratio_gradient"])
         return 0.0 * kl, info
 
 
@@ -608,3 +609,39 @@ def test_the_log_ratio_gradient_is_the_surrogates():
     assert 0 < info["clipped_fraction"] < 1  # both kinds of draws
     (grad,) = torch.autograd.grad(log_r.sum(), zq)
     assert torch.allclose(info["log_ratio_gradient"], grad, atol=1e-12)
+
+
+def test_the_kernel_term_shapes_a_skewed_posterior():
+    """The Stein identity correction fixes only q's Gaussian part; the rest of the shape is
+    the kernel ratio's. A Poisson rate with a Gamma(0.5, 1) prior and one zero count has
+    the posterior Gamma(0.5, 2), whose log (the space the guide works in) is strongly
+    skewed, with mean digamma(0.5) - log 2 and variance trigamma(0.5). The defaults end
+    within 0.2 sd of its mean with 0.82-0.90 of its sd at seeds 0-5 (throw-away runs);
+    with the kernel term dropped the correction alone, an upper bound on q's entropy,
+    gives 5.6 times the sd."""
+    from pyro.infer import SVI
+
+    from pyro_implicit import ImplicitGuide
+
+    def model(y):
+        rate = pyro.sample("rate", dist.Gamma(torch.tensor(0.5), 1.0))
+        with pyro.plate("data", 1):
+            pyro.sample("obs", dist.Poisson(rate), obs=y)
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        y = torch.zeros(1)
+        guide = ImplicitGuide(model)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), KernelRatioELBO())
+        for _ in range(2000):
+            svi.step(y)
+        log_rate = guide.sample_posterior(4000)["rate"].log()
+    finally:
+        torch.set_default_dtype(dtype)
+    a = torch.tensor(0.5, dtype=torch.float64)
+    mean, sd = torch.digamma(a) - math.log(2.0), torch.polygamma(1, a).sqrt()
+    assert abs(log_rate.mean() - mean) < 0.2 * sd
+    assert 0.75 < log_rate.std() / sd < 1.15
