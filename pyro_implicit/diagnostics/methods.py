@@ -183,7 +183,7 @@ def _build_wsvgd(model, mpn, optim, precondition=True):
 _REGISTRY = (
     Method(
         "ImplicitGuide + KernelRatioELBO() (100 particles, the preconditioner's Gaussian as "
-        "contrast)",
+        "contrast, the implied score under Stein's identities)",
         1e-2,
         _build_implicit,
         paper="KIVI: Shi, Sun & Zhu, ICLR 2018",

@@ -16,6 +16,11 @@ by regularised least squares. The fit has a closed form (eq. 6, with p and q swa
 and :math:`\widehat{\mathrm{KL}} = -\tfrac{1}{n_q} \sum_j \log \max(\hat r(z^q_j), c)` with
 clip value c. Its gradient flows only through the evaluation points :math:`z_j^q = g_\phi
 (\epsilon_j)`; the fitted function (coefficients, centres, bandwidth) is held fixed (eq. 7).
+
+Not in the paper: with an adaptive contrast, the loss by default corrects the score of q that
+this gradient implies so that it satisfies Stein's identities for constant and linear
+functions under the step's draws (:func:`stein_identity_correction`); the paper's estimate
+is ``KernelRatioELBO(stein_identity=None)``.
 """
 
 import math
