@@ -51,10 +51,11 @@ def test_the_bar_catches_an_unpreconditioned_fit(load_benchmark):
     assert not bench.passes(score_draws(draws, p.posterior))
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_kivi_default_recovers_the_raw_regression_at_other_seeds(seed, load_benchmark):
-    # the paper's estimate (stein_identity=None) missed here by its mean, 0.57 and 0.30 sd:
-    # its noisy score mean random-walked q under Adam (kivi_stein_identity.md)
+    # the paper's estimate (stein_identity=None) missed here by its mean at seeds 1 and 2,
+    # 0.57 and 0.30 sd: its noisy score mean random-walked q under Adam (seeds 0-4 in
+    # kivi_stein_identity.md; one seed here, for the suite's time)
     bench = load_benchmark("exact_defaults")
     (row,) = bench.run(
         ["kivi"], ["raw_blr"], STEPS, True, "defaults", seed, torch.float32, log=lambda *a: None
