@@ -250,7 +250,7 @@ class KernelRatioELBO(ImplicitELBO):
         q's non-Gaussian shape. ``"mean"``: only the mean. ``None``: the paper's estimate,
         whose noisy mean no term pulls back: under Adam at a constant rate q's mean
         random-walks, 0.30-0.57 posterior sds on an exact Gaussian posterior at two of five
-        seeds (0.04-0.07 at all five with ``"affine"``,
+        seeds (0.03-0.08 at all five with ``"affine"``,
         ``benchmarks/results/kivi_stein_identity.md``). Beyond ``num_particles - 2``
         dimensions per group only the mean is corrected.
     :param exact_sites: names of latent sites whose guide has a density, such as the
