@@ -1,0 +1,101 @@
+"""One of ``compare``'s methods trained for many steps, scored every few hundred: which
+coordinate moves when a longer run ends worse ("longer training must not make a fit worse").
+
+The method is built and trained exactly as ``compare`` trains it (its builder and rate,
+``ClippedAdam`` decaying tenfold over ``--steps``); every ``--every`` steps 2000 draws are
+scored against one NUTS run (``--nuts-samples`` draws after ``--nuts-warmup``, one chain,
+seed ``--seed``) site by site: the sd ratio and the mean error in NUTS sds of each latent
+coordinate.
+
+    python benchmarks/compare_trajectory.py --method kivi --model eight_schools \\
+        --out benchmarks/results/kivi_trajectory_eight_schools.md
+"""
+
+import argparse
+
+import _provenance
+import pyro
+import torch
+from pyro.infer import MCMC, NUTS, SVI
+
+from pyro_implicit.diagnostics.compare import METHODS
+from pyro_implicit.models import load_model
+
+
+def _flat(draws, names):
+    """``(S, D)`` draws of the named sites and the coordinates' labels."""
+    columns, labels = [], []
+    for name in names:
+        value = draws[name].reshape(draws[name].shape[0], -1)
+        columns.append(value)
+        labels += [name] if value.shape[1] == 1 else [f"{name}[{i}]" for i in range(value.shape[1])]
+    return torch.cat(columns, -1), labels
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", default="kivi")
+    parser.add_argument("--model", default="eight_schools", help="a built-in model")
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--every", type=int, default=1000)
+    parser.add_argument("--nuts-samples", type=int, default=1000)
+    parser.add_argument("--nuts-warmup", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    record = _provenance.provenance(__file__, argv, vars(args))
+    model = load_model(args.model)
+    call = (model.model, model.args, model.kwargs)
+
+    pyro.set_rng_seed(args.seed)
+    mcmc = MCMC(
+        NUTS(call[0]),
+        num_samples=args.nuts_samples,
+        warmup_steps=args.nuts_warmup,
+        num_chains=1,
+        disable_progbar=True,
+    )
+    mcmc.run(*call[1], **call[2])
+    reference = mcmc.get_samples()
+    names = sorted(reference)
+    ref, labels = _flat(reference, names)
+
+    spec = METHODS[args.method]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(args.seed)
+    optim = pyro.optim.ClippedAdam({"lr": spec.lr, "lrd": 0.1 ** (1.0 / args.steps)})
+    guide, loss = spec.build(call[0], model.max_plate_nesting, precondition=True)
+    svi = SVI(call[0], guide, optim, loss)
+    rows = []
+    for step in range(1, args.steps + 1):
+        svi.step(*call[1], **call[2])
+        if step % args.every == 0:
+            with torch.no_grad():
+                draws, _ = _flat(guide.sample_posterior(2000), names)
+            ratio = draws.std(0) / ref.std(0)
+            error = (draws.mean(0) - ref.mean(0)) / ref.std(0)
+            rows.append((step, ratio, error))
+            print(f"step {step}: sd ratios {[round(r, 2) for r in ratio.tolist()]}", flush=True)
+
+    lines = [
+        f"# `{args.method}` on {args.model}, scored every {args.every} steps",
+        "",
+        f"`{record['command']}` (commit {record['commit']}, {record['utc']}), float64, one "
+        f"thread, seed {args.seed}: `compare`'s builder and rate for `{args.method}`, "
+        f"ClippedAdam decaying tenfold over {args.steps} steps; 2000 draws against one NUTS "
+        f"chain of {args.nuts_samples} draws after {args.nuts_warmup}. Cells: sd ratio "
+        "(mean error in NUTS sds) per coordinate.",
+        "",
+        "| step | " + " | ".join(labels) + " |",
+        "|---:|" + "---:|" * len(labels),
+    ]
+    for step, ratio, error in rows:
+        cells = [f"{r:.2f} ({e:+.2f})" for r, e in zip(ratio.tolist(), error.tolist(), strict=True)]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    _provenance.write_result("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
