@@ -3,9 +3,9 @@ coordinate moves when a longer run ends worse ("longer training must not make a 
 
 The method is built and trained exactly as ``compare`` trains it (its builder and rate,
 ``ClippedAdam`` decaying tenfold over ``--steps``); every ``--every`` steps 2000 draws are
-scored against one NUTS run (``--nuts-samples`` draws after ``--nuts-warmup``, one chain,
-seed ``--seed``) site by site: the sd ratio and the mean error in NUTS sds of each latent
-coordinate.
+scored against one NUTS run (``run_nuts``: ``--nuts-samples`` draws after
+``--nuts-warmup``, one chain, seed ``--seed``) site by site: the sd ratio and the mean
+error in NUTS sds of each latent coordinate.
 
     python benchmarks/compare_trajectory.py --method kivi --model eight_schools \\
         --out benchmarks/results/kivi_trajectory_eight_schools.md
@@ -16,20 +16,12 @@ import argparse
 import _provenance
 import pyro
 import torch
-from pyro.infer import MCMC, NUTS, SVI
+from pyro.infer import SVI
 
 from pyro_implicit.diagnostics.compare import METHODS
+from pyro_implicit.diagnostics.metrics import flatten_samples, sd_ratio
+from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.models import load_model
-
-
-def _flat(draws, names):
-    """``(S, D)`` draws of the named sites and the coordinates' labels."""
-    columns, labels = [], []
-    for name in names:
-        value = draws[name].reshape(draws[name].shape[0], -1)
-        columns.append(value)
-        labels += [name] if value.shape[1] == 1 else [f"{name}[{i}]" for i in range(value.shape[1])]
-    return torch.cat(columns, -1), labels
 
 
 def main(argv=None):
@@ -49,18 +41,18 @@ def main(argv=None):
     model = load_model(args.model)
     call = (model.model, model.args, model.kwargs)
 
-    pyro.set_rng_seed(args.seed)
-    mcmc = MCMC(
-        NUTS(call[0]),
+    reference = run_nuts(
+        call[0],
+        *call[1],
         num_samples=args.nuts_samples,
         warmup_steps=args.nuts_warmup,
         num_chains=1,
-        disable_progbar=True,
-    )
-    mcmc.run(*call[1], **call[2])
-    reference = mcmc.get_samples()
+        seed=args.seed,
+        progress_bar=False,
+        **call[2],
+    ).samples
     names = sorted(reference)
-    ref, labels = _flat(reference, names)
+    ref, labels = flatten_samples({name: reference[name] for name in names})
 
     spec = METHODS[args.method]
     pyro.clear_param_store()
@@ -73,9 +65,10 @@ def main(argv=None):
         svi.step(*call[1], **call[2])
         if step % args.every == 0:
             with torch.no_grad():
-                draws, _ = _flat(guide.sample_posterior(2000), names)
-            ratio = draws.std(0) / ref.std(0)
-            error = (draws.mean(0) - ref.mean(0)) / ref.std(0)
+                sampled = guide.sample_posterior(2000)
+            draws, _ = flatten_samples({name: sampled[name] for name in names})
+            ratio = sd_ratio(draws, ref)
+            error = (draws.mean(0) - ref.mean(0)) / ref.std(0)  # signed: which way it moved
             rows.append((step, ratio, error))
             print(f"step {step}: sd ratios {[round(r, 2) for r in ratio.tolist()]}", flush=True)
 
