@@ -525,16 +525,7 @@ def test_kernel_term_widens_a_too_narrow_q(scale):
     assert 1.0 < grads.median().item() / exact < 4.0
 
 
-class _WithoutKernelTerm(KernelRatioELBO):
-    """The mutation: the kernel estimate of KL(q || r) dropped, the exact term kept."""
-
-    def _whitened_kl(self, z):
-        kl, info = super()._whitened_kl(z)
-        info["log_ratio_gradient"] = torch.zeros_like(info["log_ratio_gradient"])
-        return 0.0 * kl, info
-
-
-def test_a_runaway_fit_warns_once():
+def test_a_runaway_fit_warns_once(load_benchmark):
     """With the kernel term dropped, a fit from a too-narrow start runs away (the exact
     term E_q[-log r] pushes q off its contrast and nothing pushes back): the loss must say
     so, once, and name the loss to use instead."""
@@ -543,7 +534,7 @@ def test_a_runaway_fit_warns_once():
 
     # the paper's estimate: the Stein identity correction alone supplies q's Gaussian
     # entropy gradient, with which nothing runs away
-    loss = _WithoutKernelTerm(stein_identity=None)
+    loss = load_benchmark("kivi_diagnosis").WithoutKernelTerm(stein_identity=None)
     with _too_narrow_start(loss) as (svi, _, args, _, _):
         with pytest.warns(RunawayWarning, match="SteinScoreELBO") as caught:
             for _ in range(1000):
