@@ -187,6 +187,19 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def _kivi_options(args):
+    """The ``KernelRatioELBO`` keywords set on the command line."""
+    options = {}
+    if args.kivi_stein_identity is not None:
+        options["stein_identity"] = {"none": None}.get(
+            args.kivi_stein_identity, args.kivi_stein_identity
+        )
+    if args.kivi_contrast_df is not None:
+        df = args.kivi_contrast_df
+        options["contrast_df"] = None if df == "none" else float(df)
+    return options
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
@@ -208,6 +221,12 @@ def main(argv=None):
         help="defaults only: KernelRatioELBO(stein_identity=...) for kivi (none: the paper's "
         "estimate; default: the loss's own default)",
     )
+    parser.add_argument(
+        "--kivi-contrast-df",
+        default=None,
+        help="defaults only: KernelRatioELBO(contrast_df=...) for kivi, a number or none "
+        "(the Gaussian contrast; default: the loss's own default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
@@ -227,15 +246,7 @@ def main(argv=None):
         args.seed,
         dtype,
         average=args.average,
-        kivi_options=(
-            None
-            if args.kivi_stein_identity is None
-            else {
-                "stein_identity": {"none": None}.get(
-                    args.kivi_stein_identity, args.kivi_stein_identity
-                )
-            }
-        ),
+        kivi_options=_kivi_options(args) or None,
     )
     print(markdown(rows))
     if args.out:
