@@ -12,7 +12,12 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_implicit import KernelRatioELBO
 from pyro_implicit.elbo import kernel_kl, kernel_log_ratio
-from pyro_implicit.elbo.kernel_ratio import stein_identity_correction
+from pyro_implicit.elbo.kernel_ratio import (
+    _standard_draws,
+    _standard_log_density,
+    _standard_score,
+    stein_identity_correction,
+)
 from pyro_implicit.kernels import RBFKernel
 
 
@@ -581,6 +586,60 @@ def test_stein_identity_makes_the_affine_generators_gradient_exact(dim):
     grad_a, grad_b = gradients(None)
     assert (grad_b - exact_b).norm() > 0.05 * exact_b.norm()
     assert (grad_a - exact_a).norm() > 0.1 * exact_a.norm()
+
+
+@pytest.mark.parametrize("df", [5.0, 2.5])
+def test_stein_identity_is_exact_for_an_affine_generator_under_a_student_t_contrast(df):
+    # against a standard multivariate t s0 the path gradient at draw j is (score_j - grad
+    # log s0(w_j)) / n; with the draws' Gaussian score (exact for an affine generator) the
+    # Monte Carlo form is mean(-grad log s0(w)) in b and mean(-grad log s0(w) eps^T) - A^-T
+    # in A, whatever the kernel ratio's non-affine residual
+    torch.manual_seed(1)
+    n, dim = 100, 5
+    a = (torch.eye(dim, dtype=torch.float64) + 0.3 * torch.randn(dim, dim) / 2).requires_grad_()
+    b = (0.5 * torch.randn(dim, dtype=torch.float64)).requires_grad_()
+    eps = torch.randn(n, dim, dtype=torch.float64)
+    p = _standard_draws(n, eps, df)
+
+    def gradients(contrast_score):
+        w = eps @ a.T + b
+        kl, _ = kernel_kl(w, p)
+        kl = kl + stein_identity_correction(kl, w, "affine", contrast_score=contrast_score(w))
+        return torch.autograd.grad(kl, (a, b))
+
+    w = (eps @ a.T + b).detach()
+    pull = -_standard_score(w, df)
+    exact_a = pull.T @ eps / n - torch.linalg.inv(a.detach()).T
+    grad_a, grad_b = gradients(lambda w: _standard_score(w.detach(), df))
+    assert torch.allclose(grad_b, pull.mean(0), atol=1e-10)
+    assert torch.allclose(grad_a, exact_a, atol=1e-8)
+    # the Gaussian's score in the correction is the wrong contrast's
+    grad_a, grad_b = gradients(lambda w: -w.detach())
+    assert (grad_b - pull.mean(0)).norm() > 0.05 * pull.mean(0).norm()
+
+
+def test_the_student_t_contrast_is_the_standard_multivariate_t():
+    torch.manual_seed(0)
+    w = torch.linspace(-6, 6, 49, dtype=torch.float64).reshape(-1, 7).requires_grad_()
+    t = dist.MultivariateStudentT(
+        torch.tensor(5.0, dtype=torch.float64),
+        torch.zeros(7, dtype=torch.float64),
+        torch.eye(7, dtype=torch.float64),
+    )
+    log_density = _standard_log_density(w, 5.0)
+    assert torch.allclose(log_density, t.log_prob(w), atol=1e-12)
+    (grad,) = torch.autograd.grad(log_density.sum(), w)
+    assert torch.allclose(_standard_score(w.detach(), 5.0), grad, atol=1e-12)
+    # each marginal is t_5, whose two-sided 5% point is 2.5706 (a normal puts 1.0% beyond
+    # it); the coordinates share one scale, so both exceed it 0.9% of the time, not 0.25%
+    draws = _standard_draws(100_000, w, 5.0)
+    assert draws.shape == (100_000, 7)
+    beyond = draws.abs() > 2.5706
+    assert abs(beyond[:, 0].double().mean() - 0.05) < 0.002
+    assert 0.0075 < (beyond[:, 0] & beyond[:, 1]).double().mean() < 0.0105
+    assert torch.allclose(
+        _standard_log_density(w, None), -0.5 * w.pow(2).sum(-1) - 3.5 * math.log(2 * math.pi)
+    )
 
 
 def test_stein_identity_is_zero_in_value_and_only_the_mean_beyond_the_draws():

@@ -721,11 +721,7 @@ class KernelRatioELBO(ImplicitELBO):
         """KL(q~ || s) of the whitened draws ``z`` (with graph) to the standard contrast s,
         N(0, I) or, with ``df``, independent standard Student-t's: the kernel estimate,
         against ``num_prior_samples`` draws of s. ``(kl, info)``."""
-        p = torch.randn(self.num_prior_samples, z.shape[-1], dtype=z.dtype, device=z.device)
-        if df is not None:
-            # t = normal / sqrt(chi2_df / df), per coordinate
-            chi2 = torch.distributions.Chi2(z.new_tensor(df)).sample(p.shape)
-            p = p / (chi2 / df).sqrt()
+        p = _standard_draws(self.num_prior_samples, z, df)
         return kernel_kl(z, p, self.regularizer, self.clip, self.kernel)
 
     def _prior_parameter_term(self, model, args, kwargs, model_trace, names):
@@ -984,21 +980,36 @@ def stein_identity_correction(kl, w, identity="affine", kl_gradient=None, contra
 
 
 def _standard_log_density(w, df=None):
-    r""":math:`\log N(w; 0, I)` over the last dim, or with ``df`` the log-density of
-    independent standard Student-t's with ``df`` degrees of freedom: with the
-    log-determinant of the map that whitened them, the contrast's log-density at the draws
-    from the one solve that whitens them (``log_prob`` would solve again)."""
+    r""":math:`\log N(w; 0, I)` over the last dim or, with ``df``, the log-density of the
+    standard multivariate Student t with ``df`` degrees of freedom (scale I, elliptical, so
+    it is as rotation-invariant as the Gaussian): with the log-determinant of the map that
+    whitened them, the contrast's log-density at the draws from the one solve that whitens
+    them (``log_prob`` would solve again)."""
+    dim = w.shape[-1]
     if df is None:
-        return -0.5 * w.pow(2).sum(-1) - 0.5 * w.shape[-1] * math.log(2 * math.pi)
-    norm = math.lgamma(0.5 * (df + 1)) - math.lgamma(0.5 * df) - 0.5 * math.log(df * math.pi)
-    return (norm - 0.5 * (df + 1) * torch.log1p(w.pow(2) / df)).sum(-1)
+        return -0.5 * w.pow(2).sum(-1) - 0.5 * dim * math.log(2 * math.pi)
+    norm = (
+        math.lgamma(0.5 * (df + dim)) - math.lgamma(0.5 * df) - 0.5 * dim * math.log(df * math.pi)
+    )
+    return norm - 0.5 * (df + dim) * torch.log1p(w.pow(2).sum(-1) / df)
+
+
+def _standard_draws(n, like, df=None):
+    """``n`` draws of the standard contrast of :func:`_standard_log_density` in the
+    dimension, dtype and device of ``like``."""
+    draws = torch.randn(n, like.shape[-1], dtype=like.dtype, device=like.device)
+    if df is None:
+        return draws
+    # a multivariate t is a normal over sqrt(chi2_df / df), one chi2 per draw
+    chi2 = torch.distributions.Chi2(like.new_tensor(df)).sample((n, 1))
+    return draws / (chi2 / df).sqrt()
 
 
 def _standard_score(w, df=None):
     """The gradient of :func:`_standard_log_density` at ``w``."""
     if df is None:
         return -w
-    return -(df + 1) * w / (df + w.pow(2))
+    return -(df + w.shape[-1]) * w / (df + w.pow(2).sum(-1, keepdim=True))
 
 
 def _contrast_log_density(contrast, whitened):
