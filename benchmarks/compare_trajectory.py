@@ -33,6 +33,13 @@ def main(argv=None):
     parser.add_argument("--nuts-samples", type=int, default=1000)
     parser.add_argument("--nuts-warmup", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--loss-set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an attribute of the built loss (a number or none), e.g. contrast_df=none",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -59,6 +66,11 @@ def main(argv=None):
     pyro.set_rng_seed(args.seed)
     optim = pyro.optim.ClippedAdam({"lr": spec.lr, "lrd": 0.1 ** (1.0 / args.steps)})
     guide, loss = spec.build(call[0], model.max_plate_nesting, precondition=True)
+    for setting in args.loss_set:
+        name, value = setting.split("=", 1)
+        if not hasattr(loss, name):
+            raise SystemExit(f"--loss-set: {type(loss).__name__} has no attribute {name!r}")
+        setattr(loss, name, None if value.lower() == "none" else float(value))
     svi = SVI(call[0], guide, optim, loss)
     rows = []
     for step in range(1, args.steps + 1):
@@ -76,7 +88,9 @@ def main(argv=None):
         f"# `{args.method}` on {args.model}, scored every {args.every} steps",
         "",
         f"`{record['command']}` (commit {record['commit']}, {record['utc']}), float64, one "
-        f"thread, seed {args.seed}: `compare`'s builder and rate for `{args.method}`, "
+        f"thread, seed {args.seed}: `compare`'s builder and rate for `{args.method}`"
+        + "".join(f", `loss.{setting}`" for setting in args.loss_set)
+        + ", "
         f"ClippedAdam decaying tenfold over {args.steps} steps; 2000 draws against one NUTS "
         f"chain of {args.nuts_samples} draws after {args.nuts_warmup}. Cells: sd ratio "
         "(mean error in NUTS sds) per coordinate.",
