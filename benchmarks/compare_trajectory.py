@@ -24,6 +24,16 @@ from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.models import load_model
 
 
+def _setting(value):
+    """A ``--loss-set`` value: ``none``, a number, or a string."""
+    if value.lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="kivi")
@@ -38,7 +48,7 @@ def main(argv=None):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set an attribute of the built loss (a number or none), e.g. contrast_df=none",
+        help="set an attribute of the built loss (a number, none or a string), e.g. contrast_df=5",
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -70,7 +80,7 @@ def main(argv=None):
         name, value = setting.split("=", 1)
         if not hasattr(loss, name):
             raise SystemExit(f"--loss-set: {type(loss).__name__} has no attribute {name!r}")
-        setattr(loss, name, None if value.lower() == "none" else float(value))
+        setattr(loss, name, _setting(value))
     svi = SVI(call[0], guide, optim, loss)
     rows = []
     for step in range(1, args.steps + 1):
