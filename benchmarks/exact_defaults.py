@@ -194,9 +194,6 @@ def _kivi_options(args):
         options["stein_identity"] = {"none": None}.get(
             args.kivi_stein_identity, args.kivi_stein_identity
         )
-    if args.kivi_contrast_df is not None:
-        df = args.kivi_contrast_df
-        options["contrast_df"] = None if df == "none" else float(df)
     return options
 
 
@@ -220,12 +217,6 @@ def main(argv=None):
         default=None,
         help="defaults only: KernelRatioELBO(stein_identity=...) for kivi (none: the paper's "
         "estimate; default: the loss's own default)",
-    )
-    parser.add_argument(
-        "--kivi-contrast-df",
-        default=None,
-        help="defaults only: KernelRatioELBO(contrast_df=...) for kivi, a number or none "
-        "(the Gaussian contrast; default: the loss's own default)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the results")

@@ -265,7 +265,6 @@ def build_kivi(split, config):
         clip=float(config.get("clip", 1e-8)),
         adaptive_contrast=config.get("adaptive_contrast", False),
         stein_identity=None,  # the paper's estimate, so its tables stay reproducible
-        contrast_df=None,
         exact_sites=("precision",) if explicit else (),
         max_plate_nesting=1,
     )

@@ -12,12 +12,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_implicit import KernelRatioELBO
 from pyro_implicit.elbo import kernel_kl, kernel_log_ratio
-from pyro_implicit.elbo.kernel_ratio import (
-    _standard_draws,
-    _standard_log_density,
-    _standard_score,
-    stein_identity_correction,
-)
+from pyro_implicit.elbo.kernel_ratio import stein_identity_correction
 from pyro_implicit.kernels import RBFKernel
 
 
@@ -588,39 +583,8 @@ def test_stein_identity_makes_the_affine_generators_gradient_exact(dim):
     assert (grad_a - exact_a).norm() > 0.1 * exact_a.norm()
 
 
-@pytest.mark.parametrize("df", [5.0, 2.5])
-def test_stein_identity_is_exact_for_an_affine_generator_under_a_student_t_contrast(df):
-    # against independent standard t's s0 the path gradient at draw j is (score_j - grad
-    # log s0(w_j)) / n; with the draws' Gaussian score (exact for an affine generator) the
-    # Monte Carlo form is mean(-grad log s0(w)) in b and mean(-grad log s0(w) eps^T) - A^-T
-    # in A, whatever the kernel ratio's non-affine residual
-    torch.manual_seed(1)
-    n, dim = 100, 5
-    a = (torch.eye(dim, dtype=torch.float64) + 0.3 * torch.randn(dim, dim) / 2).requires_grad_()
-    b = (0.5 * torch.randn(dim, dtype=torch.float64)).requires_grad_()
-    eps = torch.randn(n, dim, dtype=torch.float64)
-    p = _standard_draws(n, eps, df)
-
-    def gradients(contrast_score):
-        w = eps @ a.T + b
-        kl, _ = kernel_kl(w, p)
-        kl = kl + stein_identity_correction(kl, w, "affine", contrast_score=contrast_score(w))
-        return torch.autograd.grad(kl, (a, b))
-
-    w = (eps @ a.T + b).detach()
-    pull = -_standard_score(w, df)
-    exact_a = pull.T @ eps / n - torch.linalg.inv(a.detach()).T
-    grad_a, grad_b = gradients(lambda w: _standard_score(w.detach(), df))
-    assert torch.allclose(grad_b, pull.mean(0), atol=1e-10)
-    assert torch.allclose(grad_a, exact_a, atol=1e-8)
-    # the Gaussian's score in the correction is the wrong contrast's
-    grad_a, grad_b = gradients(lambda w: -w.detach())
-    assert (grad_b - pull.mean(0)).norm() > 0.05 * pull.mean(0).norm()
-
-
-@pytest.mark.parametrize("contrast_df", [None, 5.0])
-def test_the_contrast_terms_gradient_is_the_entropys_on_affine_functions(contrast_df):
-    # -E_q[log r] - KL(q || r) estimates q's entropy whatever the contrast r, so its
+def test_the_contrast_terms_gradient_is_the_entropys_on_affine_functions():
+    # -E_q[log r] - KL(q || r) estimates q's entropy, so its
     # gradient in draw j is -grad log q(u_j) / n; by Stein's identities (which the default
     # correction enforces) these sum to zero and their cross-moment with the centred draws,
     # sum_j grad_j (u_j - u_bar)^T, is the identity
@@ -632,47 +596,12 @@ def test_the_contrast_terms_gradient_is_the_entropys_on_affine_functions(contras
     tril = torch.tensor([[2.0, 0.0, 0.0], [0.5, 0.3, 0.0], [-1.0, 0.2, 1.5]], dtype=f64)
     pre = Preconditioner(loc=torch.tensor([1.0, -2.0, 0.5], dtype=f64), scale_tril=tril)
     u = (pre.loc + (1.3 * torch.randn(n, dim, dtype=f64) + 0.2) @ tril.T).requires_grad_()
-    elbo = KernelRatioELBO(contrast_df=contrast_df)
+    elbo = KernelRatioELBO()
     term, _, _ = elbo._contrast_term("preconditioner", {"x": (pre, slice(0, dim))}, ["x"], u)
     (grad,) = torch.autograd.grad(term, u)
     assert torch.allclose(grad.sum(0), torch.zeros(dim, dtype=f64), atol=1e-10)
     centred = u.detach() - u.detach().mean(0)
     assert torch.allclose(grad.T @ centred, torch.eye(dim, dtype=f64), atol=1e-8)
-
-
-def test_the_kernel_estimate_compares_q_with_draws_of_the_t_contrast():
-    # draws of the t contrast itself: their KL to it is near zero, their KL to N(0, I) is
-    # not (heavy tails the Gaussian's draws do not reach); the estimate's value, averaged
-    # over four seeds (0.13-0.52 and 0.68-1.36 at seeds 0-5 each)
-    elbo = KernelRatioELBO(num_particles=200)
-    own, gaussian = 0.0, 0.0
-    for seed in range(4):
-        torch.manual_seed(seed)
-        w = _standard_draws(200, torch.zeros(1, 2, dtype=torch.float64), 3.0)
-        own += elbo._whitened_kl(w, 3.0)[0].item() / 4
-        gaussian += elbo._whitened_kl(w, None)[0].item() / 4
-    assert own < 0.5 * gaussian
-
-
-def test_the_student_t_contrast_is_independent_standard_ts():
-    torch.manual_seed(0)
-    w = torch.linspace(-6, 6, 49, dtype=torch.float64).reshape(-1, 7).requires_grad_()
-    t = torch.distributions.StudentT(torch.tensor(5.0, dtype=torch.float64))
-    log_density = _standard_log_density(w, 5.0)
-    assert torch.allclose(log_density, t.log_prob(w).sum(-1), atol=1e-12)
-    (grad,) = torch.autograd.grad(log_density.sum(), w)
-    assert torch.allclose(_standard_score(w.detach(), 5.0), grad, atol=1e-12)
-    # each coordinate is t_5, whose two-sided 5% point is 2.5706 (a normal puts 1.0% beyond
-    # it), and they are independent: both beyond it 0.25% of the time (a multivariate t,
-    # whose coordinates share one scale: 0.9%)
-    draws = _standard_draws(100_000, w, 5.0)
-    assert draws.shape == (100_000, 7)
-    beyond = draws.abs() > 2.5706
-    assert abs(beyond[:, 0].double().mean() - 0.05) < 0.002
-    assert abs((beyond[:, 0] & beyond[:, 1]).double().mean() - 0.0025) < 0.0007
-    assert torch.allclose(
-        _standard_log_density(w, None), -0.5 * w.pow(2).sum(-1) - 3.5 * math.log(2 * math.pi)
-    )
 
 
 def test_stein_identity_is_zero_in_value_and_only_the_mean_beyond_the_draws():

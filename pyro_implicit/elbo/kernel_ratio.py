@@ -247,19 +247,6 @@ class KernelRatioELBO(ImplicitELBO):
         :data:`RUNAWAY_DRIFT` of the preconditioner's sds from its mean gets a
         :class:`~pyro_implicit.RunawayWarning` (once; ``diagnostics[group]["drift"]``
         holds the distance every step).
-    :param float contrast_df: with the ``"preconditioner"`` contrast, make r's marginals in
-        the whitened coordinates independent Student t's with these degrees of freedom
-        (same whitening; the exact term uses r's t density and the kernel compares q with
-        draws of it). Default ``None``: the Gaussian. A Gaussian r's draws never reach
-        far into a heavy tail of q, and over long runs the ratio trims it: on eight
-        schools (``compare``'s settings, 5000 steps) the sd ratio of ``tau`` fell to
-        0.40-0.59 at seeds 0-2 with the Gaussian and held at 0.72-0.85 with
-        ``contrast_df=5``. It is not the default because everywhere else it did no better
-        or worse: over the stiff benchmark's 8 posteriors at seeds 0-2, within 3x a NUTS
-        floor 12 times against 14, and on the exact correlated regressions correlation
-        errors up to 0.11 against 0.05 (a ratio far from 1 is estimated less accurately;
-        ``benchmarks/results/kivi_contrast_df.md``). Use it for long runs on posteriors
-        with a heavy-tailed scale.
     :param stein_identity: with an adaptive contrast, make the score of q that the
         ratio's gradient implies satisfy Stein's identities under each step's draws
         (:func:`stein_identity_correction`). Default ``"affine"``: its sample mean is zero
@@ -334,7 +321,6 @@ class KernelRatioELBO(ImplicitELBO):
         per_group=True,
         adaptive_contrast="auto",
         contrast_rate=0.0,
-        contrast_df=None,
         stein_identity="affine",
         exact_sites="auto",
         max_plate_nesting=float("inf"),
@@ -389,11 +375,6 @@ class KernelRatioELBO(ImplicitELBO):
         if not 0 <= contrast_rate <= 1:
             raise ValueError(f"contrast_rate must lie in [0, 1], got {contrast_rate}")
         self.contrast_rate = float(contrast_rate)
-        if contrast_df is not None and not contrast_df > 0:
-            raise ValueError(f"contrast_df must be positive or None, got {contrast_df}")
-        #: degrees of freedom of the ``"preconditioner"`` contrast's Student-t marginals
-        #: (``None``: Gaussian)
-        self.contrast_df = None if contrast_df is None else float(contrast_df)
         if stein_identity not in (None, False, "mean", "affine"):
             raise ValueError(
                 f"stein_identity must be 'affine', 'mean' or None, got {stein_identity!r}"
@@ -508,7 +489,7 @@ class KernelRatioELBO(ImplicitELBO):
             centred = (z - mean.to(z.dtype)).T
             w = torch.linalg.solve_triangular(tril.to(z.dtype), centred, upper=False).T
             log_det = tril.diagonal().log().sum().to(z.dtype)
-        return w, _standard_log_density(w, self.contrast_df) - log_det - pre.log_abs_det()
+        return w, _standard_log_density(w) - log_det - pre.log_abs_det()
 
     @staticmethod
     def _moved_moments(moments, z, batch_mean, rate):
@@ -641,29 +622,21 @@ class KernelRatioELBO(ImplicitELBO):
         :math:`\mathrm{KL}(q\|r)` equals the KL of the whitened q to N(0, I), which the kernel
         estimator handles far better than a comparison with a distant prior. Returns
         ``(-E_q[log r] - KL(q||r), KL estimate, info)`` for the draws ``q`` (with graph)."""
-        df = None
         if ac == "preconditioner":
             whitened, log_r = self._tracking_contrast(preconditioners, group, q)
             key = self._last_contrast_key
-            df = self.contrast_df
         else:
             contrast = _fit_contrast(q.detach(), ac)
             whitened = _whiten(contrast, q)
             log_r = _contrast_log_density(contrast, whitened)
-        kl, info = self._whitened_kl(whitened, df)
+        kl, info = self._whitened_kl(whitened)
         log_ratio_gradient = info.pop("log_ratio_gradient", None)
         if self.stein_identity and kl.requires_grad:
-            # kl = -mean_j log ratio(w_j): its gradient at draw j is -grad log ratio(w_j) / n
+            # kl = -mean_j log r(w_j): its gradient at draw j is -grad log r(w_j) / n
             kl_gradient = (
                 None if log_ratio_gradient is None else -log_ratio_gradient / whitened.shape[0]
             )
-            kl = kl + stein_identity_correction(
-                kl,
-                whitened,
-                self.stein_identity,
-                kl_gradient,
-                _standard_score(whitened.detach().to(torch.float64), df),
-            )
+            kl = kl + stein_identity_correction(kl, whitened, self.stein_identity, kl_gradient)
         if ac == "preconditioner":
             self._saturated[key] = info["clipped_fraction"] > 0.5
             info["drift"] = self._last_drift
@@ -740,11 +713,10 @@ class KernelRatioELBO(ImplicitELBO):
         elbo = model_term + contrast_term
         return -elbo.detach(), -elbo
 
-    def _whitened_kl(self, z, df=None):
-        """KL(q~ || s) of the whitened draws ``z`` (with graph) to the standard contrast s,
-        N(0, I) or, with ``df``, independent standard Student-t's: the kernel estimate,
-        against ``num_prior_samples`` draws of s. ``(kl, info)``."""
-        p = _standard_draws(self.num_prior_samples, z, df)
+    def _whitened_kl(self, z):
+        """KL(q~ || N(0, I)) of the whitened draws ``z`` (with graph): the kernel estimate,
+        against ``num_prior_samples`` standard normal draws. ``(kl, info)``."""
+        p = torch.randn(self.num_prior_samples, z.shape[-1], dtype=z.dtype, device=z.device)
         return kernel_kl(z, p, self.regularizer, self.clip, self.kernel)
 
     def _prior_parameter_term(self, model, args, kwargs, model_trace, names):
@@ -948,16 +920,15 @@ def _fit_contrast(q, kind):
     )
 
 
-def stein_identity_correction(kl, w, identity="affine", kl_gradient=None, contrast_score=None):
+def stein_identity_correction(kl, w, identity="affine", kl_gradient=None):
     r"""Zero in value; in gradient, the correction that makes the score of q implied by a
     KL estimate's gradient satisfy Stein's identities under q's draws.
 
-    For draws :math:`w_j` of q and a contrast :math:`s_0` (:math:`N(0, I)` by default), the
-    path gradient of :math:`\mathrm{KL}(q \| s_0)` at draw j is :math:`(s_j - \nabla \log
-    s_0(w_j)) / n` with :math:`s = \nabla \log q`, so an estimate's gradient ``grad``
-    *implies* a score :math:`\hat s_j = n\,\mathrm{grad}_j + \nabla \log s_0(w_j)`. The
-    true score satisfies, for every q, :math:`\mathbb E_q[\nabla \log q] = 0` (Stein's
-    identity for a constant function) and
+    For draws :math:`w_j` of q and the contrast :math:`N(0, I)`, the path gradient of
+    :math:`\mathrm{KL}(q \| N(0, I))` at draw j is :math:`(w_j + s_j) / n` with
+    :math:`s = \nabla \log q`, so an estimate's gradient ``n * grad - w`` *implies* a score
+    :math:`\hat s_j`. The true score satisfies, for every q,
+    :math:`\mathbb E_q[\nabla \log q] = 0` (Stein's identity for a constant function) and
     :math:`\mathbb E_q[\nabla \log q\, (w - \bar w)^\top] = -I` (for a linear one). A
     kernel estimate from ~100 draws breaks both: its sample mean is noise that no term
     pulls back, so under Adam q's mean random-walks (``benchmarks/results/
@@ -975,19 +946,13 @@ def stein_identity_correction(kl, w, identity="affine", kl_gradient=None, contra
     :param str identity: ``"mean"`` or ``"affine"``.
     :param torch.Tensor kl_gradient: the ``(n, D)`` gradient of ``kl`` in ``w`` if known
         (else one backward pass finds it).
-    :param torch.Tensor contrast_score: the ``(n, D)`` score of the contrast the estimate
-        compares q with, at ``w`` (default ``-w``, N(0, I)'s): the implied score is then
-        ``n * grad + contrast_score``.
     :return: a scalar tensor, zero, whose gradient is the correction.
     """
     if kl_gradient is None:
         (kl_gradient,) = torch.autograd.grad(kl, w, retain_graph=True)
     n, dim = w.shape
     draws = w.detach().to(torch.float64)
-    if contrast_score is None:
-        contrast_score = -draws
-    # the implied score
-    score = n * kl_gradient.detach().to(torch.float64) + contrast_score.to(torch.float64)
+    score = n * kl_gradient.detach().to(torch.float64) - draws  # the implied score
     shift = score.mean(0)
     if identity == "affine" and n > dim + 1:
         centred = draws - draws.mean(0)
@@ -1002,34 +967,11 @@ def stein_identity_correction(kl, w, identity="affine", kl_gradient=None, contra
     return term - term.detach()
 
 
-def _standard_log_density(w, df=None):
-    r""":math:`\log N(w; 0, I)` over the last dim or, with ``df``, the log-density of
-    independent standard Student t's with ``df`` degrees of freedom: with the
-    log-determinant of the map that whitened them, the contrast's log-density at the draws
-    from the one solve that whitens them (``log_prob`` would solve again)."""
-    if df is None:
-        return -0.5 * w.pow(2).sum(-1) - 0.5 * w.shape[-1] * math.log(2 * math.pi)
-    norm = math.lgamma(0.5 * (df + 1)) - math.lgamma(0.5 * df) - 0.5 * math.log(df * math.pi)
-    return (norm - 0.5 * (df + 1) * torch.log1p(w.pow(2) / df)).sum(-1)
-
-
-def _standard_draws(n, like, df=None):
-    """``n`` draws of the standard contrast of :func:`_standard_log_density` in the
-    dimension, dtype and device of ``like``."""
-    draws = torch.randn(n, like.shape[-1], dtype=like.dtype, device=like.device)
-    if df is None:
-        return draws
-    # a t is a normal over sqrt(chi2_df / df), one chi2 per coordinate: the tails reach out
-    # along each axis, where one heavy-tailed coordinate (a hierarchical scale) needs them
-    chi2 = torch.distributions.Chi2(like.new_tensor(df)).sample(draws.shape)
-    return draws / (chi2 / df).sqrt()
-
-
-def _standard_score(w, df=None):
-    """The gradient of :func:`_standard_log_density` at ``w``."""
-    if df is None:
-        return -w
-    return -(df + 1) * w / (df + w.pow(2))
+def _standard_log_density(w):
+    r""":math:`\log N(w; 0, I)` over the last dim: with the log-determinant of the map that
+    whitened them, a Gaussian's log-density at its draws from the one solve that whitens
+    them (``log_prob`` would solve again)."""
+    return -0.5 * w.pow(2).sum(-1) - 0.5 * w.shape[-1] * math.log(2 * math.pi)
 
 
 def _contrast_log_density(contrast, whitened):

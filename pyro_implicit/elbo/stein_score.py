@@ -195,7 +195,6 @@ class SteinScoreELBO(KernelRatioELBO):
             # the Gaussian part already satisfies them; centring the residual did not
             # help on the stiff benchmark (kivi_stein_identity.md)
             stein_identity=None,
-            contrast_df=None,  # its contrast is the draws' Gaussian ("moments")
             exact_sites=exact_sites,
             max_plate_nesting=max_plate_nesting,
             check_vectorization=check_vectorization,
@@ -207,7 +206,7 @@ class SteinScoreELBO(KernelRatioELBO):
         self.adaptive_contrast = "moments"
         self.ridge = float(ridge)
 
-    def _whitened_kl(self, z, df=None):
+    def _whitened_kl(self, z):
         """Zero in value; in gradient :math:`\\mathrm{mean}_j h(z_j)^\\top z_j` with the
         Stein residual ``h`` held fixed: minus the residual's part of the entropy gradient."""
         h, info = stein_residual_score(z, self.ridge, self.kernel)
