@@ -69,7 +69,7 @@ RUNAWAY_DRIFT = 12.0
 
 #: the default kernel's length scale under the Stein identity correction, in units of the
 #: median pairwise distance of the draws (the paper's median rule without the correction)
-STEIN_BANDWIDTH_FACTOR = 0.5
+STEIN_BANDWIDTH_FACTOR = 0.7
 
 
 def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=None):
