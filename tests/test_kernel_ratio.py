@@ -129,12 +129,12 @@ def _prior_only_model():
 
 
 @pytest.mark.parametrize("contrast", ["diag", "full"])
-@pytest.mark.parametrize("kernel,tolerance", [("median", 0.2), ("default", 0.35)])
+@pytest.mark.parametrize("kernel,tolerance", [("median", 0.2), ("default", 0.25)])
 def test_elbo_kl_of_autonormal_in_ten_dimensions(contrast, kernel, tolerance):
     # Pyro's AutoNormal is a sampling-only guide to KernelRatioELBO and has an exact KL:
     # with no observations the loss is the KL estimate itself. Averages of four estimates
     # over seeds 0-2, for a true KL of 0.88: 0.90-1.01 with the paper's median length
-    # scale, 1.07-1.17 with the default's half of it (a value biased further upward)
+    # scale, 0.95-1.06 with the default's 0.7 of it (a value biased further upward)
     guide = AutoNormal(_prior_only_model, init_scale=0.8)
     guide()
     with torch.no_grad():

@@ -352,8 +352,8 @@ class KernelRatioELBO(ImplicitELBO):
         self.clip = float(clip)
         if kernel is None:
             # under the correction the kernel supplies only q's non-Gaussian residual, a
-            # local feature: half the median length scale kept eight schools' heavy tau
-            # from narrowing over long runs (benchmarks/results/kivi_bandwidth.md)
+            # local feature: a shorter length scale kept eight schools' heavy tau from
+            # narrowing over long runs (benchmarks/results/kivi_bandwidth.md)
             factor = STEIN_BANDWIDTH_FACTOR if stein_identity else 1.0
             kernel = RBFKernel(bandwidth_factor=factor)
         self.kernel = kernel
