@@ -48,7 +48,8 @@ def main(argv=None):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set an attribute of the built loss (a number, none or a string), e.g. contrast_df=5",
+        help="set an attribute of the built loss (a number, none or a string), e.g. "
+        "stein_identity=mean",
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
