@@ -48,8 +48,8 @@ def main(argv=None):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set an attribute of the built loss (a number, none or a string), e.g. "
-        "stein_identity=mean",
+        help="set an attribute of the built loss or of one of its parts (a number, none or a "
+        "string), e.g. stein_identity=mean or kernel.bandwidth_factor=0.5",
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -79,9 +79,13 @@ def main(argv=None):
     guide, loss = spec.build(call[0], model.max_plate_nesting, precondition=True)
     for setting in args.loss_set:
         name, value = setting.split("=", 1)
-        if not hasattr(loss, name):
-            raise SystemExit(f"--loss-set: {type(loss).__name__} has no attribute {name!r}")
-        setattr(loss, name, _setting(value))
+        *path, attribute = name.split(".")  # kernel.bandwidth_factor: the loss's kernel's
+        owner = loss
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, attribute):
+            raise SystemExit(f"--loss-set: {type(owner).__name__} has no attribute {attribute!r}")
+        setattr(owner, attribute, _setting(value))
     svi = SVI(call[0], guide, optim, loss)
     rows = []
     for step in range(1, args.steps + 1):
