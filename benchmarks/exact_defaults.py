@@ -187,16 +187,6 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def _kivi_options(args):
-    """The ``KernelRatioELBO`` keywords set on the command line."""
-    options = {}
-    if args.kivi_stein_identity is not None:
-        options["stein_identity"] = {"none": None}.get(
-            args.kivi_stein_identity, args.kivi_stein_identity
-        )
-    return options
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
@@ -237,7 +227,15 @@ def main(argv=None):
         args.seed,
         dtype,
         average=args.average,
-        kivi_options=_kivi_options(args) or None,
+        kivi_options=(
+            None
+            if args.kivi_stein_identity is None
+            else {
+                "stein_identity": {"none": None}.get(
+                    args.kivi_stein_identity, args.kivi_stein_identity
+                )
+            }
+        ),
     )
     print(markdown(rows))
     if args.out:
