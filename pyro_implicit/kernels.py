@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "IMQKernel",
     "RBFKernel",
+    "kernel_and_derivative",
     "median_bandwidth",
     "median_from_squared_distances",
     "squared_distances",
@@ -52,6 +53,11 @@ def squared_distances(x, y=None):
         y = x
     if x.shape[-1] != y.shape[-1]:
         raise ValueError(f"dimension mismatch: x has D={x.shape[-1]}, y has D={y.shape[-1]}")
+    if y is x:  # one set against itself: one centring, one norm
+        x = x - x.detach().mean(-2, keepdim=True)
+        x2 = x.pow(2).sum(-1, keepdim=True)
+        d2 = x2 + x2.transpose(-1, -2) - 2 * x @ x.transpose(-1, -2)
+        return d2.clamp(min=0)
     center = torch.cat([x.detach(), y.detach()], dim=-2).mean(-2, keepdim=True)
     x = x - center
     y = y - center
@@ -130,6 +136,20 @@ def _kth_smallest(flat, ranks):
     return torch.stack([flat.kthvalue(r).values for r in ranks])
 
 
+def kernel_and_derivative(kernel, d2, bandwidth):
+    r"""``(k, dk/dr)`` of ``kernel`` at squared distances ``d2``: one pass where the kernel
+    offers ``value_and_derivative`` (the library's do), else its
+    ``from_squared_distances`` and ``derivative_wrt_squared_distance`` (a kernel of one's
+    own that has only those)."""
+    both = getattr(kernel, "value_and_derivative", None)
+    if both is not None:
+        return both(d2, bandwidth)
+    return (
+        kernel.from_squared_distances(d2, bandwidth),
+        kernel.derivative_wrt_squared_distance(d2, bandwidth),
+    )
+
+
 def svgd_bandwidth_factor(num_particles):
     """Factor turning the median length scale into the SVGD bandwidth
     :math:`h = \\mathrm{med}^2 / \\log N` (Liu & Wang, 2016): ``1 / sqrt(2 log N)``."""
@@ -174,6 +194,13 @@ class RBFKernel:
         r"""Derivative :math:`\partial k / \partial r` with :math:`r = \|a - b\|^2`, so that
         :math:`\nabla_b k(a, b) = 2 (b - a) \partial k / \partial r`."""
         return -0.5 * self.from_squared_distances(d2, bandwidth) / bandwidth**2
+
+    def value_and_derivative(self, d2, bandwidth):
+        r"""``(k, dk/dr)``: :meth:`from_squared_distances` and
+        :meth:`derivative_wrt_squared_distance` at once (for the RBF kernel
+        :math:`\partial k / \partial r = -k / (2\sigma^2)`: one exponential, not two)."""
+        k = self.from_squared_distances(d2, bandwidth)
+        return k, -0.5 * k / bandwidth**2
 
     def __call__(self, x, y=None, bandwidth=None):
         """Gram matrix ``(N, M)``; the bandwidth is computed from ``x`` and ``y`` if omitted."""
@@ -223,6 +250,11 @@ class IMQKernel(RBFKernel):
     def derivative_wrt_squared_distance(self, d2, bandwidth):
         base = 1.0 + 0.5 * d2 / bandwidth**2
         return 0.5 * self.beta * base.pow(self.beta - 1.0) / bandwidth**2
+
+    def value_and_derivative(self, d2, bandwidth):
+        base = 1.0 + 0.5 * d2 / bandwidth**2
+        k = base.pow(self.beta)
+        return k, 0.5 * self.beta * k / base / bandwidth**2
 
     def stein_terms(self, x, bandwidth=None):
         """As :meth:`RBFKernel.stein_terms`; for the IMQ kernel

@@ -7,6 +7,7 @@ import torch
 from pyro_implicit.kernels import (
     IMQKernel,
     RBFKernel,
+    kernel_and_derivative,
     median_bandwidth,
     median_from_squared_distances,
     squared_distances,
@@ -23,6 +24,15 @@ def test_squared_distances_match_brute_force_far_from_origin():
     y = torch.randn(4, 5) + 1e3
     assert torch.allclose(squared_distances(x, y), brute_squared_distances(x, y), atol=1e-8)
     assert torch.allclose(squared_distances(x), brute_squared_distances(x, x), atol=1e-8)
+
+
+def test_squared_distances_of_one_set_have_the_brute_force_gradient():
+    # one set against itself takes its own path (one centring, one norm)
+    x = (torch.randn(6, 3) + 5.0).requires_grad_(True)
+    w = torch.rand(6, 6)
+    grad = torch.autograd.grad((w * squared_distances(x)).sum(), x)[0]
+    expected = torch.autograd.grad((w * brute_squared_distances(x, x)).sum(), x)[0]
+    assert torch.allclose(grad, expected, atol=1e-9)
 
 
 def test_squared_distance_gradient_is_finite_on_the_diagonal():
@@ -118,3 +128,24 @@ def test_derivative_wrt_squared_distance_matches_autograd(kernel):
     h = torch.tensor(0.7)
     expected = torch.autograd.grad(kernel.from_squared_distances(d2, h).sum(), d2)[0]
     assert torch.allclose(kernel.derivative_wrt_squared_distance(d2.detach(), h), expected)
+
+
+class _TwoMethodKernel:
+    """A kernel of one's own with the two methods only (no ``value_and_derivative``)."""
+
+    def from_squared_distances(self, d2, bandwidth):
+        return torch.exp(-d2 / bandwidth)
+
+    def derivative_wrt_squared_distance(self, d2, bandwidth):
+        return -torch.exp(-d2 / bandwidth) / bandwidth
+
+
+@pytest.mark.parametrize(
+    "kernel", [RBFKernel(), IMQKernel(), IMQKernel(beta=-0.3), _TwoMethodKernel()]
+)
+def test_kernel_and_derivative_are_the_two_methods(kernel):
+    d2 = torch.rand(5, 4).mul(3)
+    h = torch.tensor(0.7)
+    k, dk = kernel_and_derivative(kernel, d2, h)
+    assert torch.allclose(k, kernel.from_squared_distances(d2, h), rtol=1e-12, atol=0)
+    assert torch.allclose(dk, kernel.derivative_wrt_squared_distance(d2, h), rtol=1e-12, atol=0)

@@ -11,7 +11,7 @@ References
 
 from ..errors import PairingError
 from ..guides.base import ImplicitAutoGuide
-from ..kernels import squared_distances
+from ..kernels import kernel_and_derivative, squared_distances
 from ..latent import preconditioner_of
 from .functional_gradient import _FunctionalGradientELBO
 
@@ -86,8 +86,7 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
         else:
             sigma = self._bandwidth(a)
         d2 = squared_distances(a, b)
-        k = self.kernel.from_squared_distances(d2, sigma)
-        dk = self.kernel.derivative_wrt_squared_distance(d2, sigma)
+        k, dk = kernel_and_derivative(self.kernel, d2, sigma)
         # sum_a grad_{u'_a} k(u'_a, u_b) = 2 sum_a dk_ab (u'_a - u_b)
         kernel_grad = 2.0 * (dk.T @ a - dk.sum(0).unsqueeze(-1) * b)
         attraction = k.T @ score.detach()

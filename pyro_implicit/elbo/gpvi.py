@@ -56,7 +56,7 @@ import torch
 
 from ..errors import PairingError
 from ..guides.implicit import ImplicitGuide, SkipGenerator, gpvi_generator
-from ..kernels import squared_distances
+from ..kernels import kernel_and_derivative, squared_distances
 from .amortized_svgd import AmortizedSVGD_ELBO
 from .functional_gradient import _FunctionalGradientELBO
 from .inverse_jacobian import (
@@ -351,9 +351,8 @@ class GPVI_ELBO(_FunctionalGradientELBO):
             sigma = self._bandwidth(z_score)
         outputs = gen(z)
         d2 = squared_distances(z_score, z)
-        k = self.kernel.from_squared_distances(d2, sigma)
         # grad_{z'_a} k(z'_a, z_b) = 2 (z'_a - z_b) dk/dr, r = |z'_a - z_b|^2
-        dk = self.kernel.derivative_wrt_squared_distance(d2, sigma)
+        k, dk = kernel_and_derivative(self.kernel, d2, sigma)
         v = 2.0 * (z_score.unsqueeze(1) - z.unsqueeze(0)) * dk.unsqueeze(-1)  # (N', N, D)
         helper_loss = None
         if not self._exact(gen):

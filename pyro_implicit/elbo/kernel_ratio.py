@@ -37,7 +37,7 @@ from ..compiled import BACKENDS
 from ..contract import SAMPLE
 from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
-from ..kernels import RBFKernel, squared_distances
+from ..kernels import RBFKernel, kernel_and_derivative, squared_distances
 from ..latent import LatentSpace, preconditioner_of
 from .base import (
     ImplicitELBO,
@@ -95,15 +95,22 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
     dtype = q_samples.dtype
     q = q_samples.to(torch.float64)
     n_q, n_p = q.shape[0], p_samples.shape[0]
-    # Kernel centres: the detached q samples, then the prior samples.
-    centres = torch.cat([q.detach(), p_samples.detach().to(torch.float64)])
     with torch.no_grad():
+        # Kernel centres: the detached q samples, then the prior samples.
+        centres = torch.cat([q.detach(), p_samples.detach().to(torch.float64)])
         gram = squared_distances(centres)
         bandwidth = kernel.bandwidth_from_squared_distances(gram)
-        k = kernel.from_squared_distances(gram, bandwidth)
-        k_q, k_qp = k[:n_q, :n_q], k[:n_q, n_q:]
+        # only the q rows: k(q_i, c_j), and dk/d|c - q|^2 for the gradient (by symmetry the
+        # transpose of what the centres' columns would give)
+        k_rows, dk_rows = kernel_and_derivative(kernel, gram[:n_q], bandwidth)
+        k_q, k_qp = k_rows[:, :n_q], k_rows[:, n_q:]
         system = k_q / n_q + regularizer * torch.eye(n_q, dtype=q.dtype, device=q.device)
-        r_value = torch.linalg.solve(system, k_qp.sum(-1) / n_p)
+        rhs = (k_qp.sum(-1) / n_p)[:, None]
+        chol, failed = torch.linalg.cholesky_ex(system)  # symmetric, positive for lambda > 0
+        if failed.item():  # lambda = 0 with a singular Gram
+            r_value = torch.linalg.solve(system, rhs)[:, 0]
+        else:
+            r_value = torch.cholesky_solve(rhs, chol)[:, 0]
         # eq. (6) with p and q swapped: alpha = -r(Z^q) / (lambda n_q), beta = 1/(lambda n_p)
         coef = torch.cat(
             [
@@ -112,10 +119,10 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
             ]
         )
         # r(z) as a function of the evaluation points only (eq. 7): its gradient at z = q_j
-        # is sum_i coef_i dk(c_i, q_j)/dq_j = 2 sum_i coef_i k'_ij (q_j - c_i), with
+        # is sum_i coef_i dk(c_i, q_j)/dq_j = 2 sum_i coef_i k'_ji (q_j - c_i), with
         # k' = dk/d|c - q|^2 read off the Gram matrix already computed (q_j is centre j).
-        weights = coef[:, None] * kernel.derivative_wrt_squared_distance(gram[:, :n_q], bandwidth)
-        grad_r = 2.0 * (weights.sum(0)[:, None] * centres[:n_q] - weights.T @ centres)
+        weights = dk_rows * coef
+        grad_r = 2.0 * (weights.sum(-1, keepdim=True) * centres[:n_q] - weights @ centres)
     # value r_value, gradient grad_r: a first-order surrogate in the evaluation points
     r = r_value + (grad_r * (q - q.detach())).sum(-1)
     log_r = torch.log(torch.clamp(r, min=clip))

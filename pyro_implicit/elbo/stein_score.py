@@ -39,7 +39,7 @@ import math
 import torch
 
 from ..contract import SAMPLE
-from ..kernels import RBFKernel, squared_distances
+from ..kernels import RBFKernel, kernel_and_derivative, squared_distances
 from .kernel_ratio import KernelRatioELBO
 
 __all__ = ["SteinScoreELBO", "sample_score", "stein_residual_score"]
@@ -69,9 +69,8 @@ def stein_residual_score(y, ridge=0.01, kernel=None):
         n = y.shape[0]
         d2 = squared_distances(y)
         bandwidth = kernel.bandwidth_from_squared_distances(d2)
-        k = kernel.from_squared_distances(d2, bandwidth)
         # sum_j grad_{y_j} k(y_i, y_j) = 2 sum_j k'_ij (y_j - y_i), k' = dk / d|y_i - y_j|^2
-        dk = kernel.derivative_wrt_squared_distance(d2, bandwidth)
+        k, dk = kernel_and_derivative(kernel, d2, bandwidth)
         grad_k = 2.0 * (dk @ y - dk.sum(1, keepdim=True) * y)
         eye = torch.eye(n, dtype=y.dtype, device=y.device)
         h = torch.linalg.solve(k + ridge * eye, k @ y - grad_k)

@@ -57,7 +57,7 @@ from ..elbo.base import (
     check_vectorized_log_joint,
     particle_sum,
 )
-from ..kernels import RBFKernel, squared_distances, svgd_bandwidth_factor
+from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
 
 __all__ = [
@@ -140,7 +140,8 @@ def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=N
     :param kernel: a :class:`~pyro_implicit.kernels.RBFKernel` or
         :class:`~pyro_implicit.kernels.IMQKernel` (any object with their
         ``stein_terms``/``bandwidth_from_squared_distances``/``from_squared_distances``/
-        ``derivative_wrt_squared_distance`` methods), or a ``pyro.infer.SteinKernel``
+        ``derivative_wrt_squared_distance`` methods; ``value_and_derivative`` where it has
+        one), or a ``pyro.infer.SteinKernel``
         (``"svgd"`` only, multivariate, :math:`O(N^2 D)` memory; for comparisons).
     :param str method: one of :data:`METHODS`.
     **A block of columns** (the coordinates split across processes, e.g. function values
@@ -191,10 +192,10 @@ def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=N
     else:
         d2 = squared_distances(z) if gather is None else gather(d2_rows)
     bandwidth = kernel.bandwidth_from_squared_distances(d2)
-    k_rows = kernel.from_squared_distances(d2_rows, bandwidth)
+    k_rows, dk_rows = kernel_and_derivative(kernel, d2_rows, bandwidth)
     k = k_rows if rows is None else None  # the full matrix, built only where needed
     # grad_{z_i} k(z_i, z_j) = -a_ij (z_i - z_j) with a_ij >= 0 for a stationary kernel
-    a = -2.0 * kernel.derivative_wrt_squared_distance(d2_rows, bandwidth)
+    a = -2.0 * dk_rows
     repulsion = _pairwise_weighted(z_rows, a, z)
     if method == "svgd":
         drive, rep = k_rows @ g / n, repulsion / n
