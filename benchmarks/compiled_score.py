@@ -182,7 +182,7 @@ def _loss_pair(model, mpn, name, particles):
 
 def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     """``(ms per SVI step after 5 warm-up steps, seconds of those 5 steps, seconds of them
-    spent in torch.compile)`` of ``name``:
+    spent in torch.compile, seconds of them spent tracing the model's graph)`` of ``name``:
     ``"autonormal"`` (AutoNormal + Trace_ELBO, vectorised particles), or
     ``"METHOD-BACKEND"`` with METHOD one of kivi, stein, asvgd, gpvi, sivi, livi and
     BACKEND ``eager`` (``compile=False``), ``fx`` or ``inductor``. The warm-up holds the
@@ -202,7 +202,8 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     for _ in range(steps):
         svi.step(*args, **kwargs)
     compile_seconds = sum(g.stats["compile_seconds"] for g in graphs)
-    return 1000 * (time.perf_counter() - start) / steps, setup, compile_seconds
+    trace_seconds = sum(g.stats["trace_seconds"] for g in graphs)
+    return 1000 * (time.perf_counter() - start) / steps, setup, compile_seconds, trace_seconds
 
 
 @contextlib.contextmanager
@@ -295,7 +296,7 @@ def main_losses(args, command, commit):
             for loss_name in chosen:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms, setup, compiling = time_loss(
+                ms, setup, compiling, tracing = time_loss(
                     model,
                     margs,
                     mkwargs,
@@ -306,7 +307,7 @@ def main_losses(args, command, commit):
                     args.seed,
                 )
                 losses[loss_name] = min(losses[loss_name], ms)
-                setups[name][loss_name].append((setup, compiling))
+                setups[name][loss_name].append((setup, compiling, tracing))
         rows.append((name, losses))
         print(name, {n: f"{v:.2f} ms" for n, v in losses.items()}, flush=True)
     backends = [b for b in ("fx", "inductor") if any(n.endswith(f"-{b}") for n in chosen)]
@@ -388,15 +389,40 @@ def main_losses(args, command, commit):
                 if not runs:
                     cells += ["-", "-"]
                     continue
-                seconds = [c for _, c in runs]
+                seconds = [c for _, c, _ in runs]
                 shares = [
                     100 * c / (s + DEFAULT_FIT_STEPS * get(losses, f"{m}-inductor") / 1000)
-                    for s, c in runs
+                    for s, c, _ in runs
                 ]
                 cells += [
                     f"{seconds[0]:.2f} -> {seconds[-1]:.2f}",
                     f"{shares[0]:.0f}% -> {shares[-1]:.0f}%",
                 ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if "fx" in backends:
+        lines += [
+            "",
+            "Set-up of `-fx` (the default), apart from the steps: the seconds of the five "
+            "set-up steps (the preconditioner's search, the vectorisation check, and the "
+            "trace of the model's graph), the trace's own seconds, and the set-up as a share "
+            f"of a default fit ({DEFAULT_FIT_STEPS} steps at the `-fx` step time plus the "
+            "set-up); best of the repeats.",
+            "",
+            "| model | "
+            + " | ".join(f"{m} set-up s | {m} trace s | {m} share" for m in methods)
+            + " |",
+            "|---|" + "---:|" * (3 * len(methods)),
+        ]
+        for name, losses in rows:
+            cells = []
+            for m in methods:
+                runs = setups[name].get(f"{m}-fx")
+                if not runs:
+                    cells += ["-", "-", "-"]
+                    continue
+                setup, _, tracing = min(runs)
+                fit = setup + DEFAULT_FIT_STEPS * get(losses, f"{m}-fx") / 1000
+                cells += [f"{setup:.2f}", f"{tracing:.2f}", f"{100 * setup / fit:.0f}%"]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += numpyro_lines(args, all_models, rows)  # NumPyro's script reads them all
     text = "\n".join(lines) + "\n"
@@ -455,7 +481,7 @@ def optimizer_floor(model, args, kwargs, mpn, name, particles, calls, seed):
     per tensor."""
     from pyro.infer import SVI
 
-    step_ms, _, _ = time_loss(model, args, kwargs, mpn, name, particles, calls, seed)
+    step_ms = time_loss(model, args, kwargs, mpn, name, particles, calls, seed)[0]
     # time_loss leaves its guide's parameters in the store; rebuild the step to reach them
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
@@ -590,7 +616,7 @@ def main(argv=None):
             for loss_name in LOSSES:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms, _, _ = time_loss(
+                ms = time_loss(
                     model,
                     margs,
                     mkwargs,
@@ -599,7 +625,7 @@ def main(argv=None):
                     args.loss_particles,
                     args.calls // 2,
                     args.seed,
-                )
+                )[0]
                 losses[loss_name] = min(losses[loss_name], ms)
         rows.append((name, space.latent_dim, best, builds, steps, setups, losses))
         print(

@@ -34,7 +34,7 @@ import pyro_implicit
 assert pyro_implicit.__file__.startswith(sys.argv[1]), pyro_implicit.__file__
 torch.set_num_threads(1)
 model, args, kwargs, mpn = compiled_score.models()[sys.argv[3]]
-ms, _, _ = compiled_score.time_loss(model, args, kwargs, mpn, sys.argv[2], 100, int(sys.argv[4]), 0)
+ms = compiled_score.time_loss(model, args, kwargs, mpn, sys.argv[2], 100, int(sys.argv[4]), 0)[0]
 print(json.dumps(ms))
 """
 
