@@ -404,7 +404,8 @@ def main_losses(args, command, commit):
             "",
             "Set-up of `-fx` (the default), apart from the steps: the seconds of the five "
             "set-up steps (the preconditioner's search, the vectorisation check, and the "
-            "trace of the model's graph), the trace's own seconds, and the set-up as a share "
+            "trace of the model's graph), the seconds spent tracing graphs (the search's "
+            "and the step's), and the set-up as a share "
             f"of a default fit ({DEFAULT_FIT_STEPS} steps at the `-fx` step time plus the "
             "set-up); best of the repeats.",
             "",
