@@ -35,6 +35,7 @@ References
 """
 
 import collections
+import functools
 import math
 import warnings
 import weakref
@@ -675,9 +676,9 @@ def _scorer(space, args, kwargs, backend=None):
 
         compiled = CompiledLogDensity(space, backend)
 
-    def score(u):
-        out = None if compiled is None else compiled.score(u, args, kwargs)
-        return out if out is not None else space.score(u, args, kwargs)
+    def score(u, full_data=True):
+        out = None if compiled is None else compiled.score(u, args, kwargs, full_data)
+        return out if out is not None else space.score(u, args, kwargs, full_data)
 
     return score
 
@@ -689,8 +690,8 @@ def _with_progress(score):
 
     bar = tqdm(desc="Preconditioner search", unit=" model calls", delay=SEARCH_PROGRESS_DELAY)
 
-    def counted(u):
-        out = score(u)
+    def counted(u, full_data=True):
+        out = score(u, full_data)
         bar.update()
         return out
 
@@ -958,7 +959,9 @@ def find_preconditioner(
        ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all; ``None``:
        :data:`_VI_MAX_STEPS` up to :data:`_VI_DENSE_LIMIT` coordinates, beyond that
        ``vi_steps``), then settles in a last round whose rate decays tenfold; with no
-       room for rounds, each start's one round decays. The fit replaces the Laplace if
+       room for rounds, each start's one round decays. On a model that subsamples its
+       data each step of the fit scores one minibatch (seeded by ``seed``), as SVI does;
+       the ELBO on the check draws is the full data's. The fit replaces the Laplace if
        its ELBO, on the same check draws, is higher. A Hessian
        that is not negative definite has its curvatures taken in absolute value
        (saddle-free). Where the MAP or a finite Hessian cannot be had, the variational fits
@@ -1041,6 +1044,13 @@ def find_preconditioner(
                 starts.append(("map", _diagonal_start(u_map, scale, dense)))
             starts.append(("init", _diagonal_start(init_loc, torch.ones_like(init_loc), dense)))
             best = diagnostics.get("laplace_elbo", -math.inf) if laplace is not None else None
+            # a subsampled model's fit steps on one minibatch each (fresh draws of the
+            # seeded stream), as SVI does: a full-data pass per step would cost the number
+            # of minibatches times as much; its ELBO on the check draws stays full-data
+            vi_score = score
+            if space.subsample_plates:
+                pyro.set_rng_seed(seed)
+                vi_score = functools.partial(score, full_data=False)
             mark = time.perf_counter()
             progress.set_postfix_str("Gaussian fit", refresh=False)
             # beyond the dense limit the fit only rescales (and shifts) L's columns:
@@ -1058,7 +1068,7 @@ def find_preconditioner(
             for label, vi_start in starts:
                 try:
                     fit = _GaussianFit(
-                        space, vi_start, args, kwargs, draws, vi_lr, seed, eps, score
+                        space, vi_start, args, kwargs, draws, vi_lr, seed, eps, vi_score
                     )
                     level = fit.run(vi_steps, decay=1.0 if rounds else 0.1)
                 except (ValueError, RuntimeError) as e:

@@ -287,6 +287,43 @@ def test_subsampled_model_is_preconditioned_on_the_full_data(subsample_size):
         assert guide.preconditioner.scale_tril.item() == pytest.approx(precision**-0.5, rel=0.1)
 
 
+def test_a_subsampled_models_gaussian_fit_steps_on_minibatches(monkeypatch):
+    """Where there is no Laplace (made to fail here) a subsampled model's Gaussian fit
+    steps on one minibatch each (the stochastic ELBO), and still finds the full data's
+    exact posterior; its minibatches come from the search's seed, not the caller's
+    stream."""
+
+    def no_laplace(*args, **kwargs):
+        raise ValueError("the Hessian at the MAP is not finite")
+
+    monkeypatch.setattr("pyro_implicit.latent._laplace", no_laplace)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, generator=g) + 1.0
+
+    def model(x, subsample_size=None):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", 40, subsample_size=subsample_size) as idx:
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=x[idx])
+
+    kwargs = {"subsample_size": 10}
+    space = LatentSpace.from_model(model, (x,), kwargs, 1)
+    found = []
+    for caller_seed in (1, 2):
+        pyro.set_rng_seed(caller_seed)
+        after = torch.get_rng_state()
+        with pytest.warns(PreconditionerWarning, match="Gaussian variational fit instead"):
+            pre = find_preconditioner(space, space.init_loc, (x,), kwargs)
+        assert pre.source == "gaussian_vi"
+        found.append(pre)
+        pyro.set_rng_seed(caller_seed)
+        assert torch.equal(after, torch.get_rng_state())  # the caller's stream untouched
+    torch.testing.assert_close(found[0].loc, found[1].loc, rtol=0, atol=0)
+    precision = 40 + 1e-2
+    sd = precision**-0.5
+    assert abs(found[0].loc.item() - x.sum().item() / precision) < 0.2 * sd
+    assert found[0].scale_tril.item() == pytest.approx(sd, rel=0.15)
+
+
 def test_user_preconditioner_and_switch_off():
     model, args, mean, cov = raw_blr()
     given = Preconditioner(mean, scale_tril=torch.linalg.cholesky(cov))
