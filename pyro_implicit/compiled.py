@@ -7,7 +7,8 @@ arithmetic, is most of the time. :class:`CompiledLogDensity` runs the model once
 ``torch.fx``'s ``make_fx``, which records the aten operations the run performs, the
 gradient's included (``torch.func.grad_and_value``), and replays that graph afterwards:
 a pure function of ``u``. Random operations (a plate's subsample indices) are recorded as
-operations, so each call still draws fresh minibatches, as the eager path does. With
+operations, so each call still draws fresh minibatches, as the eager path does; the full
+data of a subsampled model runs through one minibatch's graph, the indices its input. With
 ``backend="inductor"`` the graph is compiled further by ``torch.compile``.
 
 What a graph cannot follow, it does not pretend to:
@@ -212,16 +213,12 @@ class CompiledLogDensity:
         with torch.no_grad():
             space._eager_log_density(u.detach(), args, kwargs, full_data)
         pyro.util.set_rng_state(rng)
+        # the full data of a subsampled model runs one minibatch after another through one
+        # minibatch's graph: unrolled, the graph grew with the data (a trace of 200
+        # minibatches took 18 s), and so would its compilation
+        inputs = (u.detach(), *batches[0].values()) if minibatch else (u.detach(),)
         with pyro.validation_enabled(False):
-            if minibatch:
-                # the full data of a subsampled model, one minibatch after another through
-                # one graph: unrolled, the graph would grow with the data (a trace of 200
-                # minibatches took 18 s)
-                graph = _over_minibatches(
-                    make_fx(grad_and_value)(u.detach(), *batches[0].values()), batches
-                )
-            else:
-                graph = make_fx(grad_and_value)(u.detach())
+            graph = make_fx(grad_and_value)(*inputs)
         pyro.util.set_rng_state(rng)
         self.stats["traces"] += 1
         self.stats["trace_seconds"] += time.perf_counter() - start
@@ -229,7 +226,7 @@ class CompiledLogDensity:
             start = time.perf_counter()
             graph = torch.compile(graph, dynamic=False)
             rng = pyro.util.get_rng_state()
-            graph(u.detach())  # compile now, so that its time is counted here
+            graph(*inputs)  # compile now, so that its time is counted here
             pyro.util.set_rng_state(rng)
             self.stats["compile_seconds"] += time.perf_counter() - start
-        return graph
+        return _over_minibatches(graph, batches) if minibatch else graph
