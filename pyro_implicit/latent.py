@@ -736,7 +736,7 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
     return best["u"], best["lp"]
 
 
-def _laplace(space, u_map, args, kwargs, dense):
+def _laplace(space, u_map, args, kwargs, dense, score=None):
     """The Laplace approximation at ``u_map`` (a :class:`Preconditioner` with
     ``clamped``, the number of curvatures raised to the floor); raises ``ValueError``
     where the Hessian is not finite or has no negative curvature at all.
@@ -746,7 +746,9 @@ def _laplace(space, u_map, args, kwargs, dense):
     Hessian is not negative definite (a saddle, the flat directions of a network's
     weight symmetries) the curvatures are taken in absolute value, at least the smallest
     positive one: the metric of saddle-free Newton (Dauphin et al. 2014), instead of
-    failing."""
+    failing. ``score``: a :func:`_scorer` for the Newton steps' values and gradients
+    (default: the eager one)."""
+    score = score or _scorer(space, args, kwargs)
     if dense:
         for _ in range(_NEWTON_STEPS + 1):
             precision = -space.hessian(u_map, args, kwargs).to(torch.float64)
@@ -755,12 +757,12 @@ def _laplace(space, u_map, args, kwargs, dense):
             chol, info = torch.linalg.cholesky_ex(precision)
             if info.item() != 0:
                 break
-            lp, grad = space.score(u_map[None], args, kwargs)
+            lp, grad = score(u_map[None])
             step = torch.cholesky_solve(grad[0].to(torch.float64)[:, None], chol)[:, 0]
             if (chol.T @ step).norm() < 1e-8:
                 break
             candidate = u_map + step.to(u_map.dtype)
-            lp_new = space.log_density(candidate[None].detach(), args, kwargs)[0].detach()
+            lp_new = score(candidate[None].detach())[0][0]
             if not lp_new >= lp[0] - 1e-10 * abs(lp[0]):
                 break
             u_map = candidate.detach()
@@ -1011,7 +1013,7 @@ def find_preconditioner(
             try:
                 mark = time.perf_counter()
                 progress.set_postfix_str("Laplace", refresh=False)
-                laplace = _laplace(space, u_map, args, kwargs, dense)
+                laplace = _laplace(space, u_map, args, kwargs, dense, score)
                 diagnostics["laplace_seconds"] = time.perf_counter() - mark
             except ValueError as e:
                 problem = f"{e}"
