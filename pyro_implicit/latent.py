@@ -137,19 +137,6 @@ def _subsample_plates(trace):
     }
 
 
-def _covering_minibatches(plates, device):
-    """``[{plate: indices}]``: consecutive minibatches of each subsampled plate that
-    together hold every index (the last wraps around to the first indices)."""
-    count = max(math.ceil(size / batch) for size, batch in plates.values())
-    return [
-        {
-            name: torch.arange(k * batch, (k + 1) * batch, device=device) % size
-            for name, (size, batch) in plates.items()
-        }
-        for k in range(count)
-    ]
-
-
 def _is_deterministic(site):
     return bool((site.get("infer") or {}).get("_deterministic", False))
 
@@ -391,9 +378,17 @@ class LatentSpace:
         """``[{plate: indices}]``: consecutive minibatches of each subsampled plate that
         together hold every index (the last wraps around); empty for a model that does not
         subsample."""
-        if not self.subsample_plates:
+        plates = self.subsample_plates
+        if not plates:
             return []
-        return _covering_minibatches(self.subsample_plates, device)
+        count = max(math.ceil(size / batch) for size, batch in plates.values())
+        return [
+            {
+                name: torch.arange(k * batch, (k + 1) * batch, device=device) % size
+                for name, (size, batch) in plates.items()
+            }
+            for k in range(count)
+        ]
 
     def minibatch_log_density(self, u, args, kwargs, indices):
         """The log-density of the rows of ``u`` on the minibatch ``{plate: indices}`` (the
