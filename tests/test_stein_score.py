@@ -93,6 +93,54 @@ def test_bad_ridge_is_refused():
         SteinScoreELBO(ridge=0.0)
 
 
+def test_bad_particle_count_is_refused():
+    with pytest.raises(ValueError, match="'auto'"):
+        SteinScoreELBO(num_particles="many")
+    with pytest.raises(ValueError, match="num_particles >= 2"):
+        SteinScoreELBO(num_particles=1)
+
+
+def _normal_means(dim):
+    def model(y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(dim), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(w, 1.0).to_event(1), obs=y)
+
+    return model, (torch.zeros(dim),)
+
+
+@pytest.mark.parametrize(
+    "dim, num_particles, expected",
+    [(3, "auto", 200), (100, "auto", 200), (101, "auto", 100), (3, 50, 50)],
+)
+def test_auto_particle_count_follows_the_latent_size(dim, num_particles, expected):
+    model, args = _normal_means(dim)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = SteinScoreELBO(num_particles=num_particles)
+    svi = SVI(model, ImplicitGuide(model), pyro.optim.Adam({"lr": 1e-2}), loss)
+    svi.step(*args)
+    assert loss.num_particles == expected
+    assert (
+        loss._last_traces is None or loss._last_traces[1].nodes["w"]["value"].shape[0] == expected
+    )
+
+
+def test_latent_size_counts_unconstrained_coordinates_and_keeps_the_streams():
+    from pyro_implicit.elbo.stein_score import _latent_size
+
+    def model(y):
+        pyro.sample("p", dist.Dirichlet(torch.ones(3)))  # a simplex: 2 free coordinates
+        x = pyro.sample("x", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        with pyro.plate("data", 10, subsample_size=5):
+            pyro.sample("y", dist.Normal(x.sum(), 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    assert _latent_size(model, (torch.zeros(5),), {}) == 6
+    after = torch.rand(3)
+    pyro.set_rng_seed(0)
+    assert torch.equal(after, torch.rand(3))
+
+
 def _regression():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(30, 3, generator=g)

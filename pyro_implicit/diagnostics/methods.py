@@ -192,8 +192,8 @@ _REGISTRY = (
         loss="KernelRatioELBO",
     ),
     Method(
-        "ImplicitGuide + SteinScoreELBO() (100 particles: the Gaussian of the draws plus a "
-        "Stein kernel residual)",
+        "ImplicitGuide + SteinScoreELBO() (200 particles up to 100 latent dimensions, 100 "
+        "beyond: the Gaussian of the draws plus a Stein kernel residual)",
         1e-2,
         _build_stein_score,
         paper="Stein gradient estimator: Li & Turner, ICLR 2018 (with a Gaussian control)",
