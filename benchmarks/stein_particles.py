@@ -1,7 +1,8 @@
 """``SteinScoreELBO``'s draws per step on the stiff benchmark: a table from ``stiff.py`` runs.
 
 Each ``--runs LABEL=FILE,FILE,...`` is one particle count's ``stiff.py --methods
-stein_score`` result files, one per seed (in seed order); ``--automvn`` the files that hold
+stein_score`` result files (``--method``: another method's rows, e.g. ``kivi``), one per
+seed (in seed order); ``--automvn`` the files that hold
 AutoMVN's rows for the same seeds. Per posterior: the max mean error in NUTS sds per seed
 and over seeds, the energy distance over seeds, at how many seeds the fit is within 3x
 NUTS's noise floor, and the fit's seconds over seeds.
@@ -30,6 +31,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", action="append", required=True, help="LABEL=FILE,FILE,...")
     parser.add_argument("--automvn", required=True, help="FILE,FILE,... (one per seed)")
+    parser.add_argument("--method", default="stein_score", help="whose rows to read")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     prov = _provenance.provenance(__file__, argv, vars(args))
@@ -38,7 +40,7 @@ def main(argv=None):
         label, files = spec.split("=", 1)
         per_seed = []
         for path in files.split(","):
-            rows, record = _rows(path, "stein_score")
+            rows, record = _rows(path, args.method)
             per_seed.append(rows)
             sources.append(
                 f"- `{path}`: `{record['command']}` (commit {record['git_commit'][:7]}"
@@ -53,7 +55,7 @@ def main(argv=None):
         for label in runs
     ]
     lines = [
-        "# SteinScoreELBO's draws per step on the stiff benchmark",
+        f"# `{args.method}`'s draws per step on the stiff benchmark",
         "",
         f"`{prov['command']}` (commit {prov['commit']}, {prov['utc']}). From these runs:",
         "",
