@@ -57,7 +57,8 @@ DEFAULT_BANDWIDTH_FACTOR = 2.0**-0.5
 #: better: on the stiff benchmark (seeds 0-2) the mean error fell on seven of eight
 #: posteriors (stochastic volatility 0.48 -> 0.26 NUTS sds), and on eight schools longer
 #: training no longer widens ``tau`` (``benchmarks/results/stein_particles.md``). On the
-#: Boston BNN (D = 752) 200 draws doubled the step and gained no test log-likelihood.
+#: Boston BNN (D = 752) 200 draws took 1.8-1.9x the step for the same test log-likelihood
+#: (``bnn_stein_particles.md``).
 AUTO_PARTICLES = ((200, 100), (100, math.inf))
 
 
@@ -90,9 +91,8 @@ def stein_residual_score(y, ridge=0.01, kernel=None):
 
 
 def default_num_particles(latent_dim):
-    """The draws per step of ``SteinScoreELBO(num_particles="auto")`` for a guide whose
-    kernel-estimated latent has ``latent_dim`` unconstrained coordinates
-    (:data:`AUTO_PARTICLES`)."""
+    """The draws per step of ``SteinScoreELBO(num_particles="auto")`` for a model with
+    ``latent_dim`` unconstrained latent coordinates (:data:`AUTO_PARTICLES`)."""
     return next(count for count, up_to in AUTO_PARTICLES if latent_dim <= up_to)
 
 
@@ -178,9 +178,10 @@ class SteinScoreELBO(KernelRatioELBO):
     :param num_particles: draws per step; all enter the log-joint and the score estimate.
         ``"auto"`` (default): 200 where the model has at most 100 latent coordinates,
         100 beyond (:func:`default_num_particles`, fixed on the first step for each model
-        and guide). More draws let the kernel see a funnel's neck and a heavy tail: with
-        100, longer training widened eight schools' ``tau`` and stochastic volatility
-        ended 0.48 NUTS sds off (0.26 with 200, 0.24 with 300:
+        and guide; :attr:`num_particles` reads 200 until then). More draws let the
+        kernel see a funnel's neck and a heavy tail: with 100, longer training widened
+        eight schools' ``tau`` and stochastic volatility ended 0.48 NUTS sds off (0.26
+        with 200, 0.24 with 300:
         ``benchmarks/results/stein_particles.md``).
     :param float ridge: :math:`\eta` of the kernel ridge regression (default 0.01: the
         best of 0.01-1 on the stiff benchmark; larger shrinks the residual towards 0,
