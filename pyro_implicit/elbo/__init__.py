@@ -12,7 +12,12 @@ from .gpvi import GPVI_ELBO, AmortizedSVGD_ELBO
 from .kernel_ratio import KernelRatioELBO, kernel_kl, kernel_log_ratio
 from .livi import LIVI_ELBO, jacobian, linearized_entropy, smallest_singular_value
 from .sivi import SIVI_ELBO, linear_schedule
-from .stein_score import SteinScoreELBO, sample_score, stein_residual_score
+from .stein_score import (
+    SteinScoreELBO,
+    default_num_particles,
+    sample_score,
+    stein_residual_score,
+)
 
 __all__ = [
     "AmortizedSVGD_ELBO",
@@ -27,6 +32,7 @@ __all__ = [
     "check_guide_covers_model",
     "check_observed_finite",
     "check_vectorized_log_joint",
+    "default_num_particles",
     "jacobian",
     "kernel_kl",
     "kernel_log_ratio",
