@@ -120,9 +120,8 @@ def test_auto_particle_count_follows_the_latent_size(dim, num_particles, expecte
     svi = SVI(model, ImplicitGuide(model), pyro.optim.Adam({"lr": 1e-2}), loss)
     svi.step(*args)
     assert loss.num_particles == expected
-    assert (
-        loss._last_traces is None or loss._last_traces[1].nodes["w"]["value"].shape[0] == expected
-    )
+    _, guide_trace = loss._last_traces  # the first step runs traced: its draws
+    assert guide_trace.nodes["w"]["value"].shape[0] == expected
 
 
 def test_latent_size_counts_unconstrained_coordinates_and_keeps_the_streams():
