@@ -99,7 +99,9 @@ def default_num_particles(latent_dim):
 def _latent_size(model, args, kwargs):
     """The number of unconstrained coordinates of the model's latent sites, from one trace
     of the model that leaves the random streams as they were (so a fit with ``"auto"``
-    draws what one with the count it chose would)."""
+    draws what one with the count it chose would). Not ``LatentSpace.from_model``: its
+    ``AutoContinuous`` prototype refuses sequential plates, which a sample-only guide of
+    one's own may meet."""
     state = get_rng_state()
     try:
         with poutine.block(), torch.no_grad():
