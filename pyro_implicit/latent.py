@@ -1012,22 +1012,25 @@ def find_preconditioner(
                 diagnostics["laplace_seconds"] = time.perf_counter() - mark
             except ValueError as e:
                 problem = f"{e}"
-        gen = torch.Generator().manual_seed(seed)
-        eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
         chosen = laplace
+        # beyond the dense limit the check is not run, nor are its draws made: the sd of
+        # a sum of D noisy log-ratios grows like sqrt(D) (a diagonal from 64 probes at
+        # D = 2e5 gave 4.6 on an exactly Gaussian posterior), a Gaussian fit there took
+        # 50 s to end far below the Laplace's ELBO, and the check alone was half of a
+        # 10 s search at D = 2e5 (check_draws full-data evaluations)
+        needs_check = laplace is None or dense
+        if needs_check:
+            gen = torch.Generator().manual_seed(seed)
+            eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
+        needs_vi = laplace is None
         if laplace is not None:
             diagnostics["clamped_curvatures"] = laplace.clamped
+        if laplace is not None and dense:
             lw = _elbo_draws(space, laplace, eps, args, kwargs)
             lw_sd = lw.std().item() if torch.isfinite(lw).all() else math.inf
             diagnostics["laplace_log_weight_sd"] = lw_sd
             diagnostics["laplace_elbo"] = lw.mean().item() if math.isfinite(lw_sd) else -math.inf
-            # beyond the dense limit the check is not run: the sd of a sum of D noisy
-            # log-ratios grows like sqrt(D) (a diagonal from 64 probes at D = 2e5 gave 4.6
-            # on an exactly Gaussian posterior), and a Gaussian fit there took 50 s to end
-            # far below the Laplace's ELBO
-            needs_vi = dense and not lw_sd <= max_log_weight_sd
-        else:
-            needs_vi = True
+            needs_vi = not lw_sd <= max_log_weight_sd
         if needs_vi:
             # two starts: the Laplace (or, without one, the MAP with its curvature
             # scales), and the model's own starting point with unit scales, as ADVI

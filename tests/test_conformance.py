@@ -10,6 +10,7 @@ Cheap by design (tiny models, a few steps, ``precondition=False`` where the
 preconditioner is not what is tested); the statistical checks live in ``test_defaults.py``.
 """
 
+import copy
 import dataclasses
 import io
 import math
@@ -448,9 +449,37 @@ def _no_search(*args, **kwargs):
     raise AssertionError("the preconditioner was searched again instead of restored")
 
 
+_SEARCHED = {}
+
+
+@pytest.fixture
+def searched_once(monkeypatch):
+    """The store tests below fit ``_mixed`` with ``precondition=True`` many times over on
+    two data sets; the search is deterministic given its inputs (its own seeded stream),
+    so each search runs once per module and later guides get a copy of its result (it
+    took 4-5 s of the ~5 s each of these tests spent). What these tests check is where
+    a found preconditioner is stored and restored, not the search."""
+    search = guides_base.resolve_precondition
+
+    def memoised(precondition, space, init_loc, args, kwargs, dense=None):
+        if precondition is not True:
+            return search(precondition, space, init_loc, args, kwargs, dense=dense)
+        key = (
+            space.latent_dim,
+            dense,
+            init_loc.numpy().tobytes(),
+            tuple(a.numpy().tobytes() for a in args),
+        )
+        if key not in _SEARCHED:
+            _SEARCHED[key] = search(precondition, space, init_loc, args, kwargs, dense=dense)
+        return copy.deepcopy(_SEARCHED[key])
+
+    monkeypatch.setattr(guides_base, "resolve_precondition", memoised)
+
+
 @pytest.mark.parametrize("precondition", [False, True], ids=["raw", "preconditioned"])
 @pytest.mark.parametrize("guide_name", GUIDE_NAMES)
-def test_param_store_round_trip(guide_name, precondition, tmp_path, monkeypatch):
+def test_param_store_round_trip(guide_name, precondition, tmp_path, monkeypatch, searched_once):
     guide = _trained(guide_name, precondition)
     expected = _seeded_draws(guide)
     path = tmp_path / "params.pt"
@@ -492,7 +521,7 @@ def _trained_on(guide_name, y, **kwargs):
 
 
 @pytest.mark.parametrize("guide_name", GUIDE_NAMES)
-def test_guides_of_one_name_share_the_store_whole(guide_name):
+def test_guides_of_one_name_share_the_store_whole(guide_name, searched_once):
     """Two guides of one class share Pyro's param-store names (as Pyro's autoguides do):
     after a second one is fitted, the first reads its weights, and its preconditioner
     with them, never the second's weights in the first's coordinates."""
@@ -511,7 +540,7 @@ def test_guides_of_one_name_share_the_store_whole(guide_name):
     assert torch.equal(store[first._store_name("preconditioner.loc")], first.preconditioner.loc)
 
 
-def test_a_guide_refuses_stored_weights_of_other_layers():
+def test_a_guide_refuses_stored_weights_of_other_layers(searched_once):
     first = _trained_on("ImplicitGuide", _MIXED_Y, parametrization="standard")
     expected = _seeded_draws(first)
     pyro.clear_param_store()
@@ -526,7 +555,7 @@ def test_a_guide_refuses_stored_weights_of_other_layers():
 
 @pytest.mark.parametrize("precondition", [False, True], ids=["raw", "preconditioned"])
 @pytest.mark.parametrize("guide_name", GUIDE_NAMES)
-def test_state_dict_round_trip(guide_name, precondition, monkeypatch):
+def test_state_dict_round_trip(guide_name, precondition, monkeypatch, searched_once):
     guide = _trained(guide_name, precondition)
     expected = _seeded_draws(guide)
     buffer = io.BytesIO()

@@ -292,7 +292,7 @@ def test_bayesian_linear_regression_captures_correlation_autonormal_cannot():
         pyro.optim.Adam({"lr": 0.02}),
         Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
     )
-    for _ in range(1500):
+    for _ in range(300):  # its correlations are zero by construction, at any step
         svi.step(x, y)
     draws = Predictive(model, guide=mean_field, num_samples=5000, return_sites=["beta"])(x, y)
     mf_error = (_corr(torch.cov(draws["beta"].reshape(5000, -1).T)) - _corr(cov)).abs().max()
