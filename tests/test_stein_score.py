@@ -88,6 +88,45 @@ def test_residual_vanishes_in_expectation_for_a_gaussian():
     assert (total / 200).abs().max() < 0.02
 
 
+class _IndefiniteKernel:
+    """k(a, b) = 1 - |a - b|^2 / s^2: not positive definite, so K + eta I is not either."""
+
+    def bandwidth_from_squared_distances(self, d2):
+        return d2.mean().sqrt()
+
+    def from_squared_distances(self, d2, bandwidth):
+        return 1.0 - d2 / bandwidth**2
+
+    def derivative_wrt_squared_distance(self, d2, bandwidth):
+        return -torch.ones_like(d2) / bandwidth**2
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "indefinite"])
+def test_residual_solves_its_defining_system(kernel):
+    # H = (K + eta I)^{-1} (K Y - [sum_j grad_{y_j} k(y_i, y_j)]_i), with the kernel's
+    # gradient by autograd and a general (LU) solve; the indefinite kernel takes the path
+    # that cannot use a Cholesky factor
+    from pyro_implicit.kernels import RBFKernel, squared_distances
+
+    y = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    k_fn = (
+        RBFKernel(bandwidth_factor=2.0**-0.5) if kernel == "rbf" else _IndefiniteKernel()
+    )
+    bandwidth = k_fn.bandwidth_from_squared_distances(squared_distances(y))
+
+    def rows(z):  # sum_j k(y_i, z_j) for each i
+        d2 = (y[:, None, :] - z[None, :, :]).pow(2).sum(-1)
+        return k_fn.from_squared_distances(d2, bandwidth).sum(1)
+
+    grad_k = torch.func.jacrev(rows)(y).sum(1)
+    gram = k_fn.from_squared_distances(squared_distances(y), bandwidth)
+    if kernel == "indefinite":
+        assert torch.linalg.eigvalsh(gram + 0.01 * torch.eye(30)).min() < 0
+    expected = torch.linalg.solve(gram + 0.01 * torch.eye(30), gram @ y - grad_k)
+    h, _ = stein_residual_score(y, ridge=0.01, kernel=k_fn)
+    torch.testing.assert_close(h, expected, rtol=1e-8, atol=1e-10)
+
+
 def test_bad_ridge_is_refused():
     with pytest.raises(ValueError, match="ridge"):
         SteinScoreELBO(ridge=0.0)
