@@ -109,9 +109,7 @@ def test_residual_solves_its_defining_system(kernel):
     from pyro_implicit.kernels import RBFKernel, squared_distances
 
     y = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    k_fn = (
-        RBFKernel(bandwidth_factor=2.0**-0.5) if kernel == "rbf" else _IndefiniteKernel()
-    )
+    k_fn = RBFKernel(bandwidth_factor=2.0**-0.5) if kernel == "rbf" else _IndefiniteKernel()
     bandwidth = k_fn.bandwidth_from_squared_distances(squared_distances(y))
 
     def rows(z):  # sum_j k(y_i, z_j) for each i
