@@ -23,7 +23,7 @@ from pathlib import Path
 
 import _provenance
 
-#: run inside each worktree: ``argv = [worktree, method, model, steps]``; the timing is
+#: run inside each worktree: ``argv = [worktree, method, model, steps, particles]``; the timing is
 #: that worktree's ``compiled_score.time_loss`` (five set-up steps, then the timed ones)
 _TIMER = """
 import json, sys
@@ -34,18 +34,20 @@ import pyro_implicit
 assert pyro_implicit.__file__.startswith(sys.argv[1]), pyro_implicit.__file__
 torch.set_num_threads(1)
 model, args, kwargs, mpn = compiled_score.models()[sys.argv[3]]
-ms = compiled_score.time_loss(model, args, kwargs, mpn, sys.argv[2], 100, int(sys.argv[4]), 0)[0]
+ms = compiled_score.time_loss(
+    model, args, kwargs, mpn, sys.argv[2], int(sys.argv[5]), int(sys.argv[4]), 0
+)[0]
 print(json.dumps(ms))
 """
 
 
-def time_step(tree, method, model, steps):
+def time_step(tree, method, model, steps, particles=100):
     """ms per step of ``method`` on ``model`` with the library of ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     # the data beside this checkout (a worktree elsewhere has none beside it)
     env.setdefault("PYRO_IMPLICIT_DATA", str(_provenance.REPO_ROOT.parent / "shared" / "data"))
     out = subprocess.run(
-        [sys.executable, "-c", _TIMER, str(tree), method, model, str(steps)],
+        [sys.executable, "-c", _TIMER, str(tree), method, model, str(steps), str(particles)],
         capture_output=True,
         text=True,
         env=env,
@@ -64,6 +66,7 @@ def main(argv=None):
     parser.add_argument("--models", default="eight_schools,hierarchical_logistic")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--particles", type=int, default=100, help="vectorised particles")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     prov = _provenance.provenance(__file__, argv, vars(args))
@@ -73,7 +76,8 @@ def main(argv=None):
         "# One loss's step before and after a change",
         "",
         f"`{prov['command']}` (commit {prov['commit']}, {prov['utc']}): `{args.method}` "
-        f"(`compiled_score.py`'s loss, 100 vectorised particles, float32, one thread), ms "
+        f"(`compiled_score.py`'s loss, {args.particles} vectorised particles, float32, one "
+        "thread), ms "
         f"per step, best of {args.repeats} alternating repeats of {args.steps} steps, each "
         f"commit in its own worktree and process. before = {args.before}, after = "
         f"{args.after}.",
@@ -104,7 +108,8 @@ def main(argv=None):
                 best = {key: float("inf") for key in trees}
                 for _ in range(args.repeats):
                     for key, tree in trees.items():
-                        best[key] = min(best[key], time_step(tree, args.method, model, args.steps))
+                        ms = time_step(tree, args.method, model, args.steps, args.particles)
+                        best[key] = min(best[key], ms)
                 lines.append(
                     f"| {model} | {best['before']:.2f} | {best['after']:.2f} | "
                     f"{best['before'] / best['after']:.2f} |"
