@@ -35,6 +35,31 @@ def test_same_numbers_as_eager_on_eight_schools():
     assert compiled.compiled.stats["traces"] == 2
 
 
+def grouped(x, group, shifted, y):
+    # group-level coefficients gathered per row (beta[..., group, :]) and a group-level
+    # offset gathered by a constant index holding -1 (which aten.index wraps)
+    beta = pyro.sample("beta", dist.Normal(torch.zeros(3, 2), 1.0).to_event(2))
+    offset = pyro.sample("offset", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        loc = (x * beta[..., group, :]).sum(-1) + offset[..., shifted]
+        pyro.sample("obs", dist.Normal(loc, 0.5), obs=y)
+
+
+def test_gathers_along_one_dim_are_rewritten_with_the_same_numbers():
+    """``beta[..., group, :]`` and its gradient become ``index_select`` / ``index_add``
+    (faster on the CPU); an index with -1 in it keeps ``aten.index`` (which wraps it); the
+    score is the eager one either way."""
+    g = torch.Generator().manual_seed(0)
+    group = torch.arange(40) % 3
+    args = (torch.randn(40, 2, generator=g), group, group - 1, torch.randn(40, generator=g))
+    eager, compiled = eager_and_compiled(grouped, args)
+    u = torch.randn(16, eager.latent_dim, generator=g)
+    for expected, got in zip(eager.score(u, args), compiled.score(u, args), strict=True):
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+    # beta's gather and its gradient; offset's (by an index with -1) stay as traced
+    assert compiled.compiled.stats["rewritten_nodes"] == 2
+
+
 def subsampled(x, y, subsample_size=None):
     beta = pyro.sample("beta", dist.Normal(torch.zeros(2), 2.0).to_event(1))
     scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
