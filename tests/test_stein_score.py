@@ -125,6 +125,20 @@ def test_residual_solves_its_defining_system(kernel):
     torch.testing.assert_close(h, expected, rtol=1e-8, atol=1e-10)
 
 
+def test_the_loss_default_kernel_is_imq_with_the_median_rule():
+    # the loss's residual kernel (benchmarks/results/stein_imq.md); the function's own
+    # default stays the RBF estimator of Li & Turner
+    from pyro_implicit.kernels import IMQKernel, RBFKernel
+
+    kernel = SteinScoreELBO().kernel
+    assert isinstance(kernel, IMQKernel) and kernel.beta == -0.5
+    assert kernel.bandwidth_factor == pytest.approx(2.0**-0.5)
+    y = torch.randn(50, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    default, _ = stein_residual_score(y)
+    rbf, _ = stein_residual_score(y, kernel=RBFKernel(bandwidth_factor=2.0**-0.5))
+    torch.testing.assert_close(default, rbf)
+
+
 def test_bad_ridge_is_refused():
     with pytest.raises(ValueError, match="ridge"):
         SteinScoreELBO(ridge=0.0)

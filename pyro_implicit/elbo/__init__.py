@@ -15,6 +15,7 @@ from .sivi import SIVI_ELBO, linear_schedule
 from .stein_score import (
     SteinScoreELBO,
     default_num_particles,
+    default_residual_kernel,
     sample_score,
     stein_residual_score,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "check_observed_finite",
     "check_vectorized_log_joint",
     "default_num_particles",
+    "default_residual_kernel",
     "jacobian",
     "kernel_kl",
     "kernel_log_ratio",
