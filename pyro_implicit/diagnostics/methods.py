@@ -193,7 +193,7 @@ _REGISTRY = (
     ),
     Method(
         "ImplicitGuide + SteinScoreELBO() (200 particles up to 100 latent dimensions, 100 "
-        "beyond: the Gaussian of the draws plus a Stein kernel residual)",
+        "beyond: the Gaussian of the draws plus a Stein residual with an IMQ kernel)",
         1e-2,
         _build_stein_score,
         paper="Stein gradient estimator: Li & Turner, ICLR 2018 (with a Gaussian control)",
