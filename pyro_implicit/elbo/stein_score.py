@@ -65,18 +65,21 @@ def default_residual_kernel():
     r"""The kernel of :class:`SteinScoreELBO`'s residual: inverse multi-quadric,
     :math:`(1 + \|a - b\|^2 / \mathrm{median}^2)^{-1/2}` in the whitened draws. Its
     polynomial tails keep draws far out in a funnel's mouth or a heavy tail coupled to the
-    rest, where the RBF kernel's weights vanish; on the stiff benchmark (seeds 0-2) it
-    took the seed-mean error of Neal's funnel from 0.285 to 0.12 NUTS sds, stochastic
-    volatility from 0.259 to 0.21 and the centred eight schools from 0.258 to 0.12, the
-    other five within 0.02 (``benchmarks/results/stein_imq.md``). As an estimator of a
-    score alone, on a 2-D banana from 400 draws, the RBF kernel is as good or a little
-    better, so :func:`stein_residual_score` keeps it as its own default."""
+    rest, where the RBF kernel's weights vanish. Against the RBF kernel of the same length
+    scale, on the stiff benchmark (seeds 0-2, 200 draws) it took the seed-mean error of
+    Neal's funnel from 0.285 to 0.123 NUTS sds, stochastic volatility from 0.259 to 0.210
+    and the centred eight schools from 0.258 to 0.124, for 0.055 -> 0.077 on the mixture
+    and 0.072 -> 0.082 on the GP, the other three within 0.004
+    (``benchmarks/results/stein_imq.md``). As an estimator of a score alone, on a 2-D
+    banana from 400 draws, the RBF kernel is a little better (relative error 0.55 against
+    0.60), so :func:`stein_residual_score` keeps it as its own default."""
     return IMQKernel(bandwidth_factor=DEFAULT_BANDWIDTH_FACTOR)
 
 
 #: ``num_particles="auto"``: ``(count, up to this many latent dimensions)`` rules, the
 #: first that holds. 200 draws instead of 100 resolve a funnel's neck and a heavy tail
-#: better: on the stiff benchmark (seeds 0-2) the mean error fell on seven of eight
+#: better: on the stiff benchmark (seeds 0-2, with the RBF kernel the residual had then)
+#: the mean error fell on seven of eight
 #: posteriors (stochastic volatility 0.48 -> 0.26 NUTS sds), and on eight schools longer
 #: training no longer widens ``tau`` (``benchmarks/results/stein_particles.md``). On the
 #: Boston BNN (D = 752) 200 draws took 1.8-1.9x the step for the same test log-likelihood
