@@ -683,7 +683,14 @@ def _with_progress(score):
     once the search has run :data:`SEARCH_PROGRESS_DELAY` seconds."""
     from tqdm import tqdm
 
-    bar = tqdm(desc="Preconditioner search", unit=" model calls", delay=SEARCH_PROGRESS_DELAY)
+    from .progress import refresh_intervals
+
+    bar = tqdm(
+        desc="Preconditioner search",
+        unit=" model calls",
+        delay=SEARCH_PROGRESS_DELAY,
+        **refresh_intervals(),
+    )
 
     def counted(u, full_data=True):
         out = score(u, full_data)

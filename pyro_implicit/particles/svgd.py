@@ -824,7 +824,9 @@ class ParticleInference:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            steps = tqdm(steps, desc=type(self).__name__)
+            from ..progress import refresh_intervals
+
+            steps = tqdm(steps, desc=type(self).__name__, **refresh_intervals())
         for _ in steps:
             diag = self.step(*args, **kwargs)
             for key, value in diag.items():
