@@ -108,6 +108,8 @@ def _select_along_one_dim(graph_module):
                 continue
             dim, index = found
             # index_add takes exactly the selected shape, not a broadcastable one
+            if not (isinstance(target, torch.fx.Node) and isinstance(values, torch.fx.Node)):
+                continue
             target_val, values_val = target.meta.get("val"), values.meta.get("val")
             if target_val is None or values_val is None:
                 continue
