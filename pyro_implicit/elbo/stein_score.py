@@ -210,10 +210,10 @@ class SteinScoreELBO(KernelRatioELBO):
         ``"auto"`` (default): 200 where the model has at most 100 latent coordinates,
         100 beyond (:func:`default_num_particles`, fixed on the first step for each model
         and guide; :attr:`num_particles` reads 200 until then). More draws let the
-        kernel see a funnel's neck and a heavy tail: with 100, longer training widened
-        eight schools' ``tau`` and stochastic volatility ended 0.48 NUTS sds off (0.26
-        with 200, 0.24 with 300:
-        ``benchmarks/results/stein_particles.md``).
+        kernel see a funnel's neck and a heavy tail: with 100 and the RBF kernel, longer
+        training widened eight schools' ``tau`` and stochastic volatility ended 0.48 NUTS
+        sds off (0.26 with 200, 0.24 with 300: ``benchmarks/results/stein_particles.md``);
+        with the IMQ kernel 300 did not pay over 200 (``stein_imq_particles300.md``).
     :param float ridge: :math:`\eta` of the kernel ridge regression (default 0.01: the
         best of 0.01-1 on the stiff benchmark; larger shrinks the residual towards 0,
         i.e. towards the Gaussian upper bound, which lets q grow too wide).
