@@ -1025,11 +1025,10 @@ def find_preconditioner(
         # D = 2e5 gave 4.6 on an exactly Gaussian posterior), a Gaussian fit there took
         # 50 s to end far below the Laplace's ELBO, and the check alone was half of a
         # 10 s search at D = 2e5 (check_draws full-data evaluations)
-        needs_check = laplace is None or dense
-        if needs_check:
+        needs_vi = laplace is None
+        if needs_vi or dense:  # the check draws: the importance check's and the fits'
             gen = torch.Generator().manual_seed(seed)
             eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
-        needs_vi = laplace is None
         if laplace is not None:
             diagnostics["clamped_curvatures"] = laplace.clamped
         if laplace is not None and dense:

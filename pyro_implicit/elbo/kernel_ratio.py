@@ -37,7 +37,7 @@ from ..compiled import BACKENDS
 from ..contract import SAMPLE
 from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
-from ..kernels import RBFKernel, kernel_and_derivative, squared_distances
+from ..kernels import RBFKernel, kernel_and_derivative, solve_kernel_system, squared_distances
 from ..latent import LatentSpace, preconditioner_of
 from .base import (
     ImplicitELBO,
@@ -106,11 +106,7 @@ def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=N
         k_q, k_qp = k_rows[:, :n_q], k_rows[:, n_q:]
         system = k_q / n_q + regularizer * torch.eye(n_q, dtype=q.dtype, device=q.device)
         rhs = (k_qp.sum(-1) / n_p)[:, None]
-        chol, failed = torch.linalg.cholesky_ex(system)  # symmetric, positive for lambda > 0
-        if failed.item():  # lambda = 0 with a singular Gram
-            r_value = torch.linalg.solve(system, rhs)[:, 0]
-        else:
-            r_value = torch.cholesky_solve(rhs, chol)[:, 0]
+        r_value = solve_kernel_system(system, rhs)[:, 0]
         # eq. (6) with p and q swapped: alpha = -r(Z^q) / (lambda n_q), beta = 1/(lambda n_p)
         coef = torch.cat(
             [
