@@ -11,8 +11,14 @@ from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_implicit import GPVI_ELBO, AmortizedSVGD_ELBO, ImplicitGuide
-from pyro_implicit.elbo.gpvi import SkipGenerator, exact_inverse_jvp, gpvi_generator
+from pyro_implicit.elbo.gpvi import (
+    SkipGenerator,
+    exact_inverse_jvp,
+    exact_kernel_repulsion,
+    gpvi_generator,
+)
 from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.kernels import RBFKernel, kernel_and_derivative, squared_distances
 from pyro_implicit.targets.energy import ENERGY_POTENTIALS, energy_log_density, energy_model
 
 # a correlated 2-D target with a non-symmetric Cholesky root (catches J^{-1} vs J^{-T})
@@ -203,6 +209,31 @@ def test_skip_generator_explicit_jacobian_matches_autograd(hidden_dims):
     v = torch.randn(3, 2, 4, dtype=torch.float64)
     solved = exact_inverse_jvp(gen, z, v)
     assert torch.allclose(expected.mT.unsqueeze(1) @ solved.unsqueeze(-1), v.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("independent", [False, True])
+def test_exact_kernel_repulsion_is_the_sum_of_solves(independent):
+    """sum_a J(z'_a)^{-T} grad_{z'_a} k(z'_a, z_b) for each b, against torch.linalg.solve
+    with autograd's Jacobian and the kernel's gradient by autograd (a generator whose
+    Jacobian is not symmetric, so J^{-1} in place of J^{-T} fails)."""
+    torch.manual_seed(0)
+    gen = SkipGenerator(4, hidden_dims=(6,), activation="tanh", skip_scale=0.7).double()
+    z_score = torch.randn(5, 4, dtype=torch.float64)
+    z = torch.randn(3, 4, dtype=torch.float64) if independent else z_score
+    kernel = RBFKernel()
+    sigma = 1.3
+    _, dk = kernel_and_derivative(kernel, squared_distances(z_score, z), sigma)
+    expected = torch.zeros(z.shape[0], 4, dtype=torch.float64)
+    for a in range(z_score.shape[0]):
+        jac = torch.func.jacrev(gen)(z_score[a])
+        for b in range(z.shape[0]):
+            # the kernel's gradient in its first argument, by autograd
+            za = z_score[a].clone().requires_grad_()
+            value, _ = kernel_and_derivative(kernel, (za - z[b]).pow(2).sum()[None, None], sigma)
+            (grad,) = torch.autograd.grad(value.sum(), za)
+            expected[b] += torch.linalg.solve(jac.mT, grad)
+    got = exact_kernel_repulsion(gen, z_score, z, dk)
+    assert torch.allclose(got, expected, atol=1e-10)
 
 
 def test_gpvi_generator_option_trains():

@@ -63,6 +63,7 @@ from .inverse_jacobian import (
     InverseJacobianNetwork,
     _pairs,
     exact_inverse_jvp,
+    exact_kernel_repulsion,
     helper_residual,
 )
 from .livi import jacobian
@@ -73,6 +74,7 @@ __all__ = [
     "InverseJacobianNetwork",
     "SkipGenerator",
     "exact_inverse_jvp",
+    "exact_kernel_repulsion",
     "gpvi_generator",
     "helper_residual",
 ]
@@ -353,14 +355,15 @@ class GPVI_ELBO(_FunctionalGradientELBO):
         d2 = squared_distances(z_score, z)
         # grad_{z'_a} k(z'_a, z_b) = 2 (z'_a - z_b) dk/dr, r = |z'_a - z_b|^2
         k, dk = kernel_and_derivative(self.kernel, d2, sigma)
-        v = 2.0 * (z_score.unsqueeze(1) - z.unsqueeze(0)) * dk.unsqueeze(-1)  # (N', N, D)
         helper_loss = None
-        if not self._exact(gen):
+        if self._exact(gen):
+            repulsion = scale * exact_kernel_repulsion(gen, z_score, z, dk)
+        else:
+            v = 2.0 * (z_score.unsqueeze(1) - z.unsqueeze(0)) * dk.unsqueeze(-1)  # (N', N, D)
             self._ensure_helper(gen, z_score)
             helper_loss = self._helper_update(gen, z_score, v)
-        y = self.inverse_jvp(gen, z_score, v)
+            repulsion = scale * self.inverse_jvp(gen, z_score, v).sum(0)
         attraction = k.T @ score.detach()
-        repulsion = scale * y.sum(0)
         direction = -(attraction + repulsion) / n  # eq. (9): the functional gradient
         self.last_noise = (z_score, z.detach())
         self.diagnostics = {

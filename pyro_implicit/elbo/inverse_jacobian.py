@@ -10,7 +10,12 @@ from torch import nn
 
 from .livi import jacobian
 
-__all__ = ["InverseJacobianNetwork", "exact_inverse_jvp", "helper_residual"]
+__all__ = [
+    "InverseJacobianNetwork",
+    "exact_inverse_jvp",
+    "exact_kernel_repulsion",
+    "helper_residual",
+]
 
 
 class InverseJacobianNetwork(nn.Module):
@@ -75,6 +80,24 @@ def helper_residual(helper, generator, z, v):
     return (jty - vectors.detach()).reshape(v.shape)
 
 
+def _inverse_transposes(generator, z):
+    r""":math:`J_f(z_a)^{-\top}` for every row of ``z``, ``(A, D, D)``, in ``z``'s dtype.
+
+    Inverted in float64: a Jacobian far from orthogonal loses digits in float32 (and on the
+    CPU the float64 batched inverse was the quicker one: 2.4 against 3.2 ms for 100 40 x 40
+    matrices, ``benchmarks/results/gpvi_repulsion.md``)."""
+    with torch.no_grad():
+        jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
+        try:
+            return torch.linalg.inv(jac.mT.to(torch.float64)).to(jac.dtype)
+        except torch.linalg.LinAlgError as e:
+            raise ValueError(
+                "the generator's Jacobian is singular at a noise point, so J^{-T} v does not "
+                "exist; GPVI needs an invertible generator: use ImplicitGuide(model, "
+                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)"
+            ) from e
+
+
 def exact_inverse_jvp(generator, z, v):
     r""":math:`J_f(z_a)^{-\top} v_{ab}` by forming the Jacobian and solving (GPVI "Exact
     Jac", App. D.1), with one inverse per noise point. Not differentiable.
@@ -84,17 +107,34 @@ def exact_inverse_jvp(generator, z, v):
     :param torch.Tensor v: ``(A, B, D)``.
     :return: ``(A, B, D)``.
     """
+    # one inverse per noise point, then a batched product for its B vectors: 2-3x faster
+    # on the CPU than torch's batched solve with B right-hand sides (D = 10-40, B = 100)
+    return (_inverse_transposes(generator, z) @ v.detach().mT).mT
+
+
+def exact_kernel_repulsion(generator, z_score, z, dk):
+    r"""The summed repulsion :math:`\sum_a J_f(z'_a)^{-\top} v_{ab}` of GPVI's eq. 9 with
+    the exact solve, for the kernel gradients :math:`v_{ab} = \nabla_{z'_a} k(z'_a, z_b) =
+    2 (z'_a - z_b)\, \partial_r k_{ab}` (:math:`r = \|z'_a - z_b\|^2`), without forming
+    the ``(A, B, D)`` vectors:
+
+    .. math:: \sum_a J_a^{-\top} v_{ab} = 2 \sum_a \partial_r k_{ab}\, J_a^{-\top} z'_a
+        - 2 \Big(\sum_a \partial_r k_{ab}\, J_a^{-\top}\Big) z_b,
+
+    the bracket one ``(B, A) x (A, D^2)`` product. The same vectors as
+    ``exact_inverse_jvp(generator, z_score, v).sum(0)`` to rounding, in 0.6 of the time
+    (``benchmarks/results/gpvi_repulsion.md``). Not differentiable.
+
+    :param generator: ``(..., D) -> (..., D)``, row-wise.
+    :param torch.Tensor z_score: ``(A, D)`` noise points :math:`z'`.
+    :param torch.Tensor z: ``(B, D)`` noise points :math:`z`.
+    :param torch.Tensor dk: ``(A, B)`` kernel derivatives :math:`\partial_r k_{ab}`.
+    :return: ``(B, D)``.
+    """
+    inv_t = _inverse_transposes(generator, z_score)  # (A, D, D)
+    a, d = z_score.shape
     with torch.no_grad():
-        jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
-        try:
-            # one inverse per noise point, then a batched product for its B vectors:
-            # 2-3x faster on the CPU than torch's batched solve with B right-hand sides
-            # (measured for D = 10-40 and B = 100)
-            solved = torch.linalg.inv(jac.mT) @ v.detach().mT  # (A, D, B)
-        except torch.linalg.LinAlgError as e:
-            raise ValueError(
-                "the generator's Jacobian is singular at a noise point, so J^{-T} v does not "
-                "exist; GPVI needs an invertible generator: use ImplicitGuide(model, "
-                "generator=gpvi_generator()) (f(z) = g(z[:k]) + lambda z, lambda > 0)"
-            ) from e
-    return solved.mT
+        dk, z_score, z = dk.detach(), z_score.detach(), z.detach()
+        own = (inv_t @ z_score.unsqueeze(-1)).squeeze(-1)  # J_a^{-T} z'_a, (A, D)
+        mixed = (dk.mT @ inv_t.reshape(a, d * d)).reshape(-1, d, d)  # (B, D, D)
+        return 2.0 * (dk.mT @ own - (mixed @ z.unsqueeze(-1)).squeeze(-1))
