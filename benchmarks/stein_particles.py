@@ -2,7 +2,8 @@
 
 Each ``--runs LABEL=FILE,FILE,...`` is one particle count's ``stiff.py --methods
 stein_score`` result files (``--method``: another method's rows, e.g. ``kivi``), one per
-seed (in seed order); ``--automvn`` the files that hold
+seed (in seed order; ``A+B`` for a seed whose rows are spread over files, later files'
+rows replacing earlier ones, as ``stiff_report.py`` merges them); ``--automvn`` the files that hold
 AutoMVN's rows for the same seeds. Per posterior: the max mean error in NUTS sds per seed
 and over seeds, the energy distance over seeds, at how many seeds the fit is within 3x
 NUTS's noise floor, and the fit's seconds over seeds.
@@ -24,7 +25,22 @@ FLOOR_FACTOR = 3.0
 def _rows(path, method):
     with open(path) as f:
         record = json.load(f)
-    return {row["model"]: row for row in record["results"] if row["method"] == method}, record
+    rows = {
+        row["model"]: row
+        for row in record["results"]
+        if row["method"] == method and row.get("status", "ok") == "ok"
+    }
+    return rows, record
+
+
+def _merged_rows(paths, method):
+    """``(rows, records)`` of ``A+B+...``: later files' rows replace earlier ones."""
+    merged, records = {}, []
+    for path in paths.split("+"):
+        rows, record = _rows(path, method)
+        merged.update(rows)
+        records.append((path, record))
+    return merged, records
 
 
 def main(argv=None):
@@ -32,6 +48,7 @@ def main(argv=None):
     parser.add_argument("--runs", action="append", required=True, help="LABEL=FILE,FILE,...")
     parser.add_argument("--automvn", required=True, help="FILE,FILE,... (one per seed)")
     parser.add_argument("--method", default="stein_score", help="whose rows to read")
+    parser.add_argument("--title", help="the table's heading (default: the method's draws)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     prov = _provenance.provenance(__file__, argv, vars(args))
@@ -39,23 +56,28 @@ def main(argv=None):
     for spec in args.runs:
         label, files = spec.split("=", 1)
         per_seed = []
-        for path in files.split(","):
-            rows, record = _rows(path, args.method)
+        for paths in files.split(","):
+            rows, records = _merged_rows(paths, args.method)
             per_seed.append(rows)
-            sources.append(
-                f"- `{path}`: `{record['command']}` (commit {record['git_commit'][:7]}"
-                f"{'+' if record.get('git_dirty') else ''}, {record['date']})"
-            )
+            for path, record in records:
+                if not any(row["method"] == args.method for row in record["results"]):
+                    continue
+                sources.append(
+                    f"- `{path}`: `{record['command']}` (commit {record['git_commit'][:7]}"
+                    f"{'+' if record.get('git_dirty') else ''}, {record['date']})"
+                )
         runs[label] = per_seed
     automvn = [_rows(path, "automvn")[0] for path in args.automvn.split(",")]
     seeds = len(automvn)
-    models = list(next(iter(runs.values()))[0])
+    models = [
+        m for m in next(iter(runs.values()))[0] if all(m in r for p in runs.values() for r in p)
+    ]
     header = ["model"] + [
         f"{label}: err per seed, mean (energy); within {FLOOR_FACTOR:g}x floor; fit s"
         for label in runs
     ]
     lines = [
-        f"# `{args.method}`'s draws per step on the stiff benchmark",
+        args.title or f"# `{args.method}`'s draws per step on the stiff benchmark",
         "",
         f"`{prov['command']}` (commit {prov['commit']}, {prov['utc']}). From these runs:",
         "",
