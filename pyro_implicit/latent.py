@@ -76,17 +76,6 @@ _VI_START_SCALE = 0.1
 #: steps between two reads of the Gaussian variational fit's ELBO on the check draws
 _VI_CHECK_EVERY = 100
 
-#: draws per step of the Gaussian variational fit up to :data:`_VI_DENSE_LIMIT` coordinates:
-#: its ELBO is flat along a funnel's scale, where 16 draws left the fit a gradient-noise
-#: walk short of the optimum (stochastic volatility: ELBO -51.77 against -51.66 with 64,
-#: and 0.33-0.37 NUTS sds off against 0.22-0.25, at three seeds of the search;
-#: ``benchmarks/results/preconditioner_draws.md``)
-_VI_DRAWS = 64
-
-#: draws per step beyond :data:`_VI_DENSE_LIMIT` coordinates, where the fit only rescales
-#: the Laplace's columns and one more model run per draw is a network's forward pass
-_VI_WIDE_DRAWS = 8
-
 #: most steps of the Gaussian variational fit that goes on in rounds (up to
 #: :data:`_VI_DENSE_LIMIT` coordinates)
 _VI_MAX_STEPS = 3000
@@ -953,7 +942,7 @@ def find_preconditioner(
     vi_steps=300,
     vi_max_steps=None,
     vi_tol=0.05,
-    vi_draws=None,
+    vi_draws=16,
     vi_lr=0.05,
     seed=0,
     compile="fx",
@@ -964,23 +953,25 @@ def find_preconditioner(
     2. the Laplace approximation there: :math:`L L^\top = (-\nabla^2 \log\tilde p)^{-1}`
        (dense up to :data:`DENSE_LIMIT` coordinates; beyond, a diagonal from Hutchinson's
        estimate of the Hessian's diagonal);
-    3. for a dense Laplace, a check by ``check_draws`` importance weights :math:`\log\tilde p - \log
-       q`: where their sd exceeds ``max_log_weight_sd`` (the posterior is not Gaussian at its mode)
-       Gaussian variational fits (Adam at rate ``vi_lr`` with ``vi_draws`` draws per step; ``None``:
-       :data:`_VI_DRAWS` up to :data:`_VI_DENSE_LIMIT` coordinates, :data:`_VI_WIDE_DRAWS` beyond)
-       from two starts, the Laplace and the model's starting point with unit scales (a funnel's mode
-       sits in its neck, where a fit started there stays). Each runs ``vi_steps`` steps; the one
-       with the higher ELBO on the check draws goes on in rounds of ``vi_steps`` while a round
-       raises its mean ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all;
-       ``None``: :data:`_VI_MAX_STEPS` up to :data:`_VI_DENSE_LIMIT` coordinates, beyond that
-       ``vi_steps``), then settles in a last round whose rate decays tenfold; with no room for
-       rounds, each start's one round decays. On a model that subsamples its data each step of the
-       fit scores one minibatch (seeded by ``seed``), as SVI does; the ELBO on the check draws is
-       the full data's. The fit replaces the Laplace if its ELBO, on the same check draws, is
-       higher. A Hessian that is not negative definite has its curvatures taken in absolute value
-       (saddle-free). Where the MAP or a finite Hessian cannot be had, the variational fits start
-       from the best point L-BFGS reached and a :class:`PreconditionerWarning` says so. Where those
-       fail too, the identity is returned with a warning: never a silent fallback.
+    3. for a dense Laplace, a check by ``check_draws`` importance weights
+       :math:`\log\tilde p - \log q`: where their sd exceeds ``max_log_weight_sd`` (the
+       posterior is not Gaussian at its mode) Gaussian variational fits (Adam at rate
+       ``vi_lr`` with ``vi_draws`` draws) from two starts, the Laplace and the model's
+       starting point with unit scales (a funnel's mode sits in its neck, where a fit
+       started there stays). Each runs ``vi_steps`` steps; the one with the higher ELBO
+       on the check draws goes on in rounds of ``vi_steps`` while a round raises its mean
+       ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all; ``None``:
+       :data:`_VI_MAX_STEPS` up to :data:`_VI_DENSE_LIMIT` coordinates, beyond that
+       ``vi_steps``), then settles in a last round whose rate decays tenfold; with no
+       room for rounds, each start's one round decays. On a model that subsamples its
+       data each step of the fit scores one minibatch (seeded by ``seed``), as SVI does;
+       the ELBO on the check draws is the full data's. The fit replaces the Laplace if
+       its ELBO, on the same check draws, is higher. A Hessian
+       that is not negative definite has its curvatures taken in absolute value
+       (saddle-free). Where the MAP or a finite Hessian cannot be had, the variational fits
+       start from the best point L-BFGS reached and a :class:`PreconditionerWarning` says
+       so. Where those fail too, the identity is returned with a warning: never a silent
+       fallback.
 
     Deterministic given ``seed`` (its own generator; the global streams are untouched).
 
@@ -1070,10 +1061,7 @@ def find_preconditioner(
             progress.set_postfix_str("Gaussian fit", refresh=False)
             # beyond the dense limit the fit only rescales (and shifts) L's columns:
             # fewer draws per step suffice for D + D parameters
-            if vi_draws is None:
-                draws = _VI_DRAWS if dim <= _VI_DENSE_LIMIT else _VI_WIDE_DRAWS
-            else:
-                draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
+            draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
             # there, too, a network's weights: a fit of their scales improves for
             # thousands of steps, and rounds until it stops cost more than the 10% of a
             # default fit the set-up may take (a BNN on boston: 14%,
