@@ -17,6 +17,11 @@ common draws beside (higher is a better Gaussian by the KL the fit minimises)::
     python benchmarks/preconditioner_fit.py --models all --vi-draws 16,auto \\
         --search-seeds 0,1,2 --markdown benchmarks/results/preconditioner_draws.md
 
+With ``--automvn-steps N,...`` each model also gets Pyro's ``AutoMultivariateNormal`` fitted
+N steps as ``stiff.py`` fits it (``Trace_ELBO`` with 8 vectorised draws, ``Adam(0.01)``;
+beyond 2000 steps ``ClippedAdam`` decaying to 1% of that rate), scored the same way: a long
+run is the Gaussian optimum the search's fit aims at.
+
 One torch thread, float64, as ``stiff.py``.
 """
 
@@ -29,10 +34,51 @@ import _provenance
 import pyro
 import stiff
 import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoMultivariateNormal
 
 from pyro_implicit import SemiImplicitGuide
 from pyro_implicit.diagnostics.metrics import compare_samples
-from pyro_implicit.latent import _elbo_draws, find_preconditioner
+from pyro_implicit.latent import LatentSpace, Preconditioner, _elbo_draws, find_preconditioner
+
+
+def _scored(space, reference, loc, scale_tril, args, kwargs, num_draws):
+    """Joint metrics against NUTS of ``N(loc, scale_tril scale_tril^T)`` (``num_draws``
+    draws) and its ELBO on 20 000 common draws."""
+    gaussian = Preconditioner(loc, scale_tril=scale_tril)
+    z = torch.randn(num_draws, space.latent_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        values = space.unpack(gaussian.unwhiten(z.to(loc)))
+    draws = {k: values[k].reshape((num_draws,) + reference[k].shape[1:]) for k in reference}
+    joint = compare_samples(draws, reference, sites=list(reference))["joint"]
+    eps = torch.randn(20000, space.latent_dim, generator=torch.Generator().manual_seed(2))
+    elbo = _elbo_draws(space, gaussian, eps.to(loc), args, kwargs).mean().item()
+    return dict(joint, elbo=elbo)
+
+
+def score_automvn(name, steps, seed=0, num_draws=2000):
+    """:func:`score`'s dict for ``AutoMultivariateNormal`` after ``steps`` steps."""
+    model, args, kwargs, mpn = stiff.MODELS[name]()
+    reference, _ = stiff.load_reference(name)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoMultivariateNormal(model)
+    if steps <= 2000:
+        optim = pyro.optim.Adam({"lr": 0.01})
+    else:
+        optim = pyro.optim.ClippedAdam({"lr": 0.01, "lrd": 0.01 ** (1.0 / steps)})
+    loss = Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=mpn)
+    svi = SVI(model, guide, optim, loss)
+    start = time.perf_counter()
+    for _ in range(steps):
+        svi.step(*args, **kwargs)
+    seconds = time.perf_counter() - start
+    posterior = guide.get_posterior(*args, **kwargs)
+    space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting=mpn)
+    loc, tril = posterior.loc.detach(), posterior.scale_tril.detach()
+    row = _scored(space, reference, loc, tril, args, kwargs, num_draws)
+    pyro.clear_param_store()
+    return dict(row, source="automvn", vi_steps=steps, seconds=seconds)
 
 
 def score(name, vi_max_steps, seed=0, num_draws=2000, vi_draws=None, search_seed=0):
@@ -56,17 +102,10 @@ def score(name, vi_max_steps, seed=0, num_draws=2000, vi_draws=None, search_seed
         seed=search_seed,
     )
     seconds = time.perf_counter() - start
-    eps = torch.randn(20000, space.latent_dim, generator=torch.Generator().manual_seed(2))
-    elbo = _elbo_draws(space, found, eps.to(found.loc), args, kwargs).mean().item()
-    z = torch.randn(num_draws, space.latent_dim, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        values = space.unpack(found.unwhiten(z.to(found.loc)))
-    draws = {k: values[k].reshape((num_draws,) + reference[k].shape[1:]) for k in reference}
-    joint = compare_samples(draws, reference, sites=list(reference))["joint"]
-    pyro.clear_param_store()
+    tril = found.scale_tril if found.scale_tril is not None else torch.diag(found.scale)
+    row = _scored(space, reference, found.loc, tril, args, kwargs, num_draws)
     return dict(
-        joint,
-        elbo=elbo,
+        row,
         source=found.source,
         vi_steps=found.diagnostics.get("gaussian_vi_steps", 0),
         seconds=seconds,
@@ -79,6 +118,7 @@ def main(argv=None):
     parser.add_argument("--vi-max-steps", default="auto,300")
     parser.add_argument("--vi-draws", default="auto")
     parser.add_argument("--search-seeds", default="0")
+    parser.add_argument("--automvn-steps", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", required=True)
     args = parser.parse_args(argv)
@@ -88,6 +128,7 @@ def main(argv=None):
     budgets = [None if b == "auto" else int(b) for b in args.vi_max_steps.split(",")]
     draws = [None if d == "auto" else int(d) for d in args.vi_draws.split(",")]
     search_seeds = [int(s) for s in args.search_seeds.split(",")]
+    automvn_steps = [int(n) for n in args.automvn_steps.split(",") if n.strip()]
     lines = [
         "# The preconditioner's Gaussian against NUTS",
         "",
@@ -112,6 +153,15 @@ def main(argv=None):
                 f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f} | "
                 f"{row['energy_distance']:.4f} | {row['elbo']:.3f} | {row['vi_steps']} | "
                 f"{row['seconds']:.1f} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+        for steps in automvn_steps:
+            row = score_automvn(name, steps, seed=args.seed)
+            line = (
+                f"| {name} | - | - | - | automvn, {steps} steps | {row['mean_error_max']:.3f} | "
+                f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f} | "
+                f"{row['energy_distance']:.4f} | {row['elbo']:.3f} | - | {row['seconds']:.1f} |"
             )
             print(line, flush=True)
             lines.append(line)

@@ -25,10 +25,13 @@ FLOOR_FACTOR = 3.0
 def _rows(path, method):
     with open(path) as f:
         record = json.load(f)
+    # the preconditioned fits (or Pyro's, which have no switch), as stiff_automvn.py reads
     rows = {
         row["model"]: row
         for row in record["results"]
-        if row["method"] == method and row.get("status", "ok") == "ok"
+        if row["method"] == method
+        and row.get("status", "ok") == "ok"
+        and row.get("precondition") is not False
     }
     return rows, record
 
@@ -67,7 +70,7 @@ def main(argv=None):
                     f"{'+' if record.get('git_dirty') else ''}, {record['date']})"
                 )
         runs[label] = per_seed
-    automvn = [_rows(path, "automvn")[0] for path in args.automvn.split(",")]
+    automvn = [_merged_rows(paths, "automvn")[0] for paths in args.automvn.split(",")]
     seeds = len(automvn)
     models = [
         m for m in next(iter(runs.values()))[0] if all(m in r for p in runs.values() for r in p)
