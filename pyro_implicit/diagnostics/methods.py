@@ -281,7 +281,7 @@ _REGISTRY = (
     ),
     Method(
         f"WeightSpaceSVGD(num_particles={WSVGD_PARTICLES!r}: 30 per latent dimension within "
-        "100-300), particle-major SVGD, RBF kernel with the median distance as length scale",
+        "100-300), particle-major SVGD, RBF kernel with 1.4 median distances as length scale",
         5e-2,
         _build_wsvgd,
         kind="particles",
