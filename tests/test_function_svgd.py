@@ -21,7 +21,11 @@ from pyro_implicit.particles import (
     WeightSpaceSVGD,
     stein_direction,
 )
-from pyro_implicit.particles.svgd import GFSF_JITTER, auto_num_particles
+from pyro_implicit.particles.svgd import (
+    GFSF_JITTER,
+    WHITENED_BANDWIDTH_FACTOR,
+    auto_num_particles,
+)
 
 # ----------------------------------------------------------------------------- directions
 
@@ -173,6 +177,18 @@ def _gaussian_of_dim(dim):
         pyro.sample("x", dist.Normal(torch.zeros(dim), 1.0).to_event(1))
 
     return model
+
+
+def test_preconditioned_default_kernel_keeps_a_standard_gaussians_spread():
+    """On N(0, I_100) (sd 1 in every coordinate), 100 preconditioned particles drawn from the
+    exact posterior keep their spread under the default kernel (1.4 median distances): mean
+    sd 0.93 after 1000 steps, where the median distance itself shrinks it to 0.88."""
+    svgd = WeightSpaceSVGD(_gaussian_of_dim(100), pyro.optim.Adam({"lr": 1e-2}), 100, 0)
+    for _ in range(1000):
+        svgd.step()
+    assert svgd.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR == 1.4
+    sd = svgd.get_named_particles()["x"].std(0)
+    assert 0.9 < sd.mean() < 1.05, sd.mean()
 
 
 @pytest.mark.parametrize("dim, expected", [(2, 100), (5, 150), (33, 300), (200, 300)])
