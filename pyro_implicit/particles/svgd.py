@@ -287,7 +287,9 @@ class ParticleInference:
     :param int max_plate_nesting: the model's plate nesting (the particle plate goes
         outside it); ``None``: read from one run of the model on the first step.
     :param kernel: the kernel of the update (see :func:`stein_direction`); default
-        :class:`~pyro_implicit.kernels.RBFKernel` with the SVGD median rule.
+        :class:`~pyro_implicit.kernels.RBFKernel` with Liu & Wang's median rule in the raw
+        space, and with :data:`WHITENED_BANDWIDTH_FACTOR` median distances as its length
+        scale with a preconditioner (see the module's "Bandwidth rule").
     :param str method: update rule, one of :data:`METHODS`.
     :param init_particles: ``None`` (default) draws each particle from the prior (Pyro's
         ``init_to_sample``, as ``pyro.infer.SVGD``), or from the preconditioner's Gaussian
