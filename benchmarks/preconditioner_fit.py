@@ -124,7 +124,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
-    models = list(stiff.MODELS) if args.models == "all" else args.models.split(",")
+    models = stiff._choices(args.models, stiff.MODELS, "models")  # names checked, or all
     budgets = [None if b == "auto" else int(b) for b in args.vi_max_steps.split(",")]
     draws = [None if d == "auto" else int(d) for d in args.vi_draws.split(",")]
     search_seeds = [int(s) for s in args.search_seeds.split(",")]

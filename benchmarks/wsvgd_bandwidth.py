@@ -48,7 +48,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
-    models = list(stiff.MODELS) if args.models == "all" else args.models.split(",")
+    models = stiff._choices(args.models, stiff.MODELS, "models")  # names checked, or all
     factors = [None if f == "default" else float(f) for f in args.factors.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     lines = [

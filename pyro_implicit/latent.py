@@ -50,6 +50,8 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 from torch.distributions import biject_to
 
+from .progress import refresh_intervals
+
 __all__ = [
     "LatentSpace",
     "plate_nesting",
@@ -682,8 +684,6 @@ def _with_progress(score):
     """``(score, bar)``: ``score`` counting its calls on a ``tqdm`` bar that appears only
     once the search has run :data:`SEARCH_PROGRESS_DELAY` seconds."""
     from tqdm import tqdm
-
-    from .progress import refresh_intervals
 
     bar = tqdm(
         desc="Preconditioner search",

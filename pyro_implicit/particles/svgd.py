@@ -63,6 +63,7 @@ from ..elbo.base import (
 )
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
+from ..progress import refresh_intervals
 
 __all__ = [
     "AUTO_PARTICLES",
@@ -830,8 +831,6 @@ class ParticleInference:
         steps = range(num_steps)
         if progress_bar:
             from tqdm.auto import tqdm
-
-            from ..progress import refresh_intervals
 
             steps = tqdm(steps, desc=type(self).__name__, **refresh_intervals())
         for _ in steps:
