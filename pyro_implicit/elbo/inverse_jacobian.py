@@ -83,8 +83,7 @@ def helper_residual(helper, generator, z, v):
 def _inverse_transposes(generator, z):
     r""":math:`J_f(z_a)^{-\top}` for every row of ``z``, ``(A, D, D)``, in ``z``'s dtype.
 
-    Inverted in float64: a Jacobian far from orthogonal loses digits in float32 (and the
-    float64 batched inverse was no slower on the CPU for 100 matrices of D = 20-64)."""
+    Inverted in float64: a Jacobian far from orthogonal loses digits in float32."""
     with torch.no_grad():
         jac = jacobian(generator, z.detach())  # (A, D, D), rows = outputs
         try:
