@@ -23,9 +23,11 @@ Usage::
 import argparse
 import contextlib
 import datetime
+import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import _provenance  # noqa: F401  (pyro_implicit importable from a bare checkout)
@@ -82,7 +84,8 @@ def hierarchical_logistic():
     return hierarchical_logistic_model, (x, group, y), {}, 1
 
 
-def models():
+def models(device="cpu"):
+    """``{name: (model, args, kwargs, max_plate_nesting)}`` with the data on ``device``."""
     out = {}
     for name in ("eight_schools", "waveform_logistic"):
         m = load_model(name)
@@ -90,7 +93,31 @@ def models():
     out["hierarchical_logistic"] = hierarchical_logistic()
     if data_available():
         out["boston_bnn"] = _boston()
-    return out
+    return {
+        name: (model, tuple(_to(a, device) for a in margs), mkwargs, mpn)
+        for name, (model, margs, mkwargs, mpn) in out.items()
+    }
+
+
+def _to(value, device):
+    return value.to(device) if torch.is_tensor(value) else value
+
+
+def _where(device):
+    """The results file's words for the device the steps ran on."""
+    if torch.device(device).type == "cuda":
+        return f"on {torch.cuda.get_device_name(device)} (torch {torch.__version__})"
+    return f"on the CPU (torch {torch.__version__})"
+
+
+def _jax_where(device):
+    return "on JAX's GPU platform" if torch.device(device).type == "cuda" else "one XLA thread"
+
+
+def _synchronize(device):
+    """Wait for queued GPU work, so a wall-clock interval holds all of it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_backend(space, backend, u, args, kwargs, calls):
@@ -197,10 +224,13 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     with _recording_graphs() as graphs:
         for _ in range(5):  # set-up, preconditioner, vectorisation check, trace
             svi.step(*args, **kwargs)
+    device = next((a.device for a in args if torch.is_tensor(a)), "cpu")
+    _synchronize(device)
     setup = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         svi.step(*args, **kwargs)
+    _synchronize(device)
     compile_seconds = sum(g.stats["compile_seconds"] for g in graphs)
     trace_seconds = sum(g.stats["trace_seconds"] for g in graphs)
     return 1000 * (time.perf_counter() - start) / steps, setup, compile_seconds, trace_seconds
@@ -238,11 +268,12 @@ DEFAULT_LOSSES = tuple(n for n in KERNEL_LOSSES if not n.endswith("-inductor"))
 DEFAULT_FIT_STEPS = 2000
 
 
-def numpyro_steps(python, model_table, particles, steps, repeats, seed):
+def numpyro_steps(python, model_table, particles, steps, repeats, seed, device="cpu"):
     """NumPyro's jitted AutoNormal step on the same models and data
     (``benchmarks/numpyro_steps.py`` under the interpreter ``python``, which has JAX and
-    NumPyro), as ``({model: {particles: {"ms_per_step", "compile_s"}}}, None)``, or
-    ``(None, reason)`` when it cannot run."""
+    NumPyro; on JAX's GPU platform when ``device`` is CUDA), as
+    ``({model: {particles: {"ms_per_step", "compile_s"}}}, None)``, or ``(None, reason)``
+    when it cannot run."""
     import json
     import tempfile
 
@@ -252,18 +283,21 @@ def numpyro_steps(python, model_table, particles, steps, repeats, seed):
         return None, "no --numpyro-python given"
     arrays = {}
     y, sigma = model_table["eight_schools"][1]
-    arrays.update(y=y.numpy(), sigma=sigma.numpy())
+    arrays.update(y=y.cpu().numpy(), sigma=sigma.cpu().numpy())
     if "boston_bnn" in model_table:
         _, (x, t), kwargs, _ = model_table["boston_bnn"]
-        arrays.update(x=x.numpy(), t=t.numpy(), subsample_size=kwargs["subsample_size"])
+        arrays.update(x=x.cpu().numpy(), t=t.cpu().numpy(), subsample_size=kwargs["subsample_size"])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "data.npz"
         np.savez(path, **arrays)
         script = Path(__file__).with_name("numpyro_steps.py")
         cmd = [python, str(script), str(path), "--particles", str(particles)]
         cmd += ["--steps", str(steps), "--repeats", str(repeats), "--seed", str(seed)]
+        platform = "cuda" if torch.device(device).type == "cuda" else "cpu"
+        # JAX would otherwise take most of the GPU's memory beside torch's
+        env = dict(os.environ, JAX_PLATFORMS=platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"{python} did not run: {e}"
     if done.returncode != 0:
@@ -281,8 +315,8 @@ def main_losses(args, command, commit):
         raise SystemExit(f"unknown --losses {unknown}; choose from {', '.join(KERNEL_LOSSES)}")
     if "autonormal" not in chosen:
         chosen.insert(0, "autonormal")
-    rows, setups = [], {}
-    model_table = all_models = models()
+    rows, setups, failures = [], {}, {}
+    model_table = all_models = models(args.device)
     if args.models:
         wanted = [n.strip() for n in args.models.split(",") if n.strip()]
         unknown = sorted(set(wanted) - set(model_table))
@@ -296,16 +330,23 @@ def main_losses(args, command, commit):
             for loss_name in chosen:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms, setup, compiling, tracing = time_loss(
-                    model,
-                    margs,
-                    mkwargs,
-                    mpn,
-                    loss_name,
-                    args.loss_particles,
-                    args.calls // 2,
-                    args.seed,
-                )
+                if (name, loss_name) in failures:
+                    continue
+                try:
+                    ms, setup, compiling, tracing = time_loss(
+                        model,
+                        margs,
+                        mkwargs,
+                        mpn,
+                        loss_name,
+                        args.loss_particles,
+                        args.calls // 2,
+                        args.seed,
+                    )
+                except Exception as e:  # a cell that cannot run is reported, not hidden
+                    traceback.print_exc()
+                    failures[(name, loss_name)] = f"{type(e).__name__}: {e}".splitlines()[0]
+                    continue
                 losses[loss_name] = min(losses[loss_name], ms)
                 setups[name][loss_name].append((setup, compiling, tracing))
         rows.append((name, losses))
@@ -315,8 +356,9 @@ def main_losses(args, command, commit):
     lines = [
         "# SVI steps of the implicit losses: Pyro traces against the traced graph",
         "",
-        f"`{command}` (commit {commit}, {datetime.date.today()}), float32, "
-        f"{args.threads} thread(s), {args.loss_particles} vectorised particles, ms per step "
+        f"`{command}` (commit {commit}, {datetime.date.today()}), {_where(args.device)}, "
+        f"float32, {args.threads} thread(s), {args.loss_particles} vectorised particles, "
+        "ms per step "
         f"(best of {args.repeats} alternating repeats of {args.calls // 2} steps after 5), "
         "against AutoNormal + Trace_ELBO with as many particles. `kivi` = ImplicitGuide + "
         "KernelRatioELBO(), `stein` = ImplicitGuide + SteinScoreELBO(), `asvgd` = "
@@ -425,6 +467,9 @@ def main_losses(args, command, commit):
                 fit = setup + DEFAULT_FIT_STEPS * get(losses, f"{m}-fx") / 1000
                 cells += [f"{setup:.2f}", f"{tracing:.2f}", f"{100 * setup / fit:.0f}%"]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if failures:
+        lines += ["", "Cells that failed (shown as `-` above):", ""]
+        lines += [f"- {name}, {loss}: `{why}`" for (name, loss), why in failures.items()]
     lines += numpyro_lines(args, all_models, rows)  # NumPyro's script reads them all
     text = "\n".join(lines) + "\n"
     print(text)
@@ -438,7 +483,13 @@ def numpyro_lines(args, model_table, rows):
     missing."""
     steps = args.calls // 2
     measured, reason = numpyro_steps(
-        args.numpyro_python, model_table, args.loss_particles, steps, args.repeats, args.seed
+        args.numpyro_python,
+        model_table,
+        args.loss_particles,
+        steps,
+        args.repeats,
+        args.seed,
+        args.device,
     )
     if measured is None:
         return ["", f"NumPyro row skipped: {reason}."]
@@ -450,9 +501,9 @@ def numpyro_lines(args, model_table, rows):
         "",
         f"NumPyro ({versions}) in the same run: `jax.jit(SVI.update)` of AutoNormal + "
         f"Trace_ELBO(num_particles={n}, vectorize_particles=True) on the same model and data "
-        f"(`benchmarks/numpyro_steps.py`, one XLA thread, best of {args.repeats} repeats of "
-        f"{steps} steps after the compiling step and 5 more); the goal is at most 3x on eight "
-        "schools and below 1x on the BNN:",
+        f"(`benchmarks/numpyro_steps.py`, {_jax_where(args.device)}, best of {args.repeats} "
+        f"repeats of {steps} steps after the compiling step and 5 more); the goal is at "
+        "most 3x on eight schools and below 1x on the BNN:",
         "",
         "| model | numpyro 1 particle ms | numpyro ms | compile s | autonormal / numpyro | "
         + " | ".join(f"{m} / numpyro" for m in fx)
@@ -544,6 +595,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="Markdown results file")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="with --only-losses, where the models' data live (and so every step runs): "
+        "cpu or cuda; NumPyro then runs on JAX's matching platform",
+    )
     p.add_argument(
         "--only-losses",
         action="store_true",

@@ -5,7 +5,7 @@ NumPyro and JAX are never dependencies of the library: this script runs under an
 interpreter that has them (``--numpyro-python`` of ``compiled_score.py`` starts it) and
 needs nothing else from the checkout. The data come in an ``.npz`` file written by the
 caller, so both libraries see the same numbers. JAX is held to one CPU thread, as torch is
-in the caller.
+in the caller, unless the caller sets ``JAX_PLATFORMS=cuda`` (``--device cuda`` there).
 
 Usage (by hand)::
 

@@ -79,10 +79,11 @@ def eight_schools_model(y, sigma):
     :param torch.Tensor y: ``(J,)`` observed effects.
     :param torch.Tensor sigma: ``(J,)`` their known standard errors.
     """
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    zero = y.new_zeros(())  # the priors on the data's device and dtype
+    mu = pyro.sample("mu", dist.Normal(zero, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(zero + 5.0))
     with pyro.plate("schools", y.shape[-1], dim=-1):
-        theta_tilde = pyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
+        theta_tilde = pyro.sample("theta_tilde", dist.Normal(zero, 1.0))
         # mu and tau are (..., 1) under a particle plate, theta_tilde (..., J): broadcasting
         # keeps particles apart.
         pyro.sample("obs", dist.Normal(mu + tau * theta_tilde, sigma), obs=y)
