@@ -894,17 +894,10 @@ def _fit_contrast(q, kind):
         # (stein_score.sample_score); beyond, their variances alone (a covariance of rank
         # n - 1 < d has no inverse, and a d x d factor would cost O(d^3) per step)
         centred = q - loc
+        sd = centred.pow(2).mean(0).sqrt().clamp(min=1e-12)
         if d >= n - 1:
-            sd = centred.pow(2).mean(0).sqrt().clamp(min=1e-12)
-            return torch.distributions.Independent(
-                torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
-            )
-        cov = centred.T @ centred / n
-        eye = torch.eye(d, dtype=q.dtype, device=q.device)
-        cov = cov + 1e-12 * cov.diagonal().mean() * eye
-        return torch.distributions.MultivariateNormal(
-            loc, scale_tril=torch.linalg.cholesky(cov), validate_args=False
-        )
+            return _diagonal_gaussian(loc, sd)
+        return _dense_gaussian(loc, centred, n, 1e-12, sd)
     if kind == "full" and d > 1:
         centred = q - loc
         shrink = min(1.0, d / n)
@@ -916,16 +909,35 @@ def _fit_contrast(q, kind):
             return torch.distributions.Independent(
                 torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
             )
-        cov = centred.T @ centred / (n - 1)
-        cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
-        cov = cov + 1e-10 * cov.diagonal().mean() * torch.eye(d, dtype=q.dtype, device=q.device)
-        return torch.distributions.MultivariateNormal(
-            loc, scale_tril=torch.linalg.cholesky(cov), validate_args=False
-        )
+        return _dense_gaussian(loc, centred, n - 1, 1e-10, q.std(0), shrink)
+    return _diagonal_gaussian(loc, q.std(0).clamp(min=1e-12))
+
+
+def _diagonal_gaussian(loc, sd):
     return torch.distributions.Independent(
-        torch.distributions.Normal(loc, q.std(0).clamp(min=1e-12), validate_args=False),
-        1,
-        validate_args=False,
+        torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
+    )
+
+
+def _dense_gaussian(loc, centred, divisor, jitter, sd, shrink=0.0):
+    """The Gaussian of the draws' covariance ``centred^T centred / divisor`` (shrunk by
+    ``shrink`` towards its diagonal, ``jitter`` times its mean variance added), factored
+    in float64: float32 draws of a well-conditioned generator gave a covariance whose
+    float32 Cholesky failed on a GPU (the hierarchical regression with D = 40). Where even
+    float64 finds no factor (draws on fewer than D dimensions), the diagonal Gaussian of
+    the sds ``sd``, as for D >= N."""
+    c = centred.double()
+    cov = c.T @ c / divisor
+    if shrink:
+        cov = (1 - shrink) * cov + shrink * torch.diag(cov.diagonal())
+    cov = cov + jitter * cov.diagonal().mean() * torch.eye(
+        cov.shape[-1], dtype=cov.dtype, device=cov.device
+    )
+    factor, info = torch.linalg.cholesky_ex(cov)
+    if info.item() != 0:
+        return _diagonal_gaussian(loc, sd.clamp(min=1e-12))
+    return torch.distributions.MultivariateNormal(
+        loc, scale_tril=factor.to(loc.dtype), validate_args=False
     )
 
 
