@@ -84,9 +84,6 @@ _VI_MAX_STEPS = 3000
 
 #: most Newton steps that polish the MAP where the Hessian is dense
 _NEWTON_STEPS = 3
-#: a Laplace whose MAP is still more Newton decrement than this (the last Newton step's
-#: length in the Laplace's sds) from a mode is not trusted: a Gaussian fit is run
-_MAX_NEWTON_DECREMENT = 1.0
 
 #: seconds after which the search shows a progress bar (model calls, the phase, elapsed
 #: time); shorter searches print nothing. A model that subsamples its data is scored on
@@ -755,7 +752,6 @@ def _laplace(space, u_map, args, kwargs, dense, score=None):
     (default: the eager one)."""
     score = score or _scorer(space, args, kwargs)
     if dense:
-        decrement = math.nan  # no Newton step was solved for (an indefinite Hessian)
         for _ in range(_NEWTON_STEPS + 1):
             precision = -space.hessian(u_map, args, kwargs).to(torch.float64)
             if not torch.isfinite(precision).all():
@@ -765,9 +761,7 @@ def _laplace(space, u_map, args, kwargs, dense, score=None):
                 break
             lp, grad = score(u_map[None])
             step = torch.cholesky_solve(grad[0].to(torch.float64)[:, None], chol)[:, 0]
-            # the Newton decrement: the step's length in the Laplace's own sds
-            decrement = (chol.T @ step).norm().item()
-            if decrement < 1e-8:
+            if (chol.T @ step).norm() < 1e-8:
                 break
             candidate = u_map + step.to(u_map.dtype)
             lp_new = score(candidate[None].detach())[0][0]
@@ -791,7 +785,6 @@ def _laplace(space, u_map, args, kwargs, dense, score=None):
             raise ValueError("the Laplace covariance is numerically singular")
         found = Preconditioner(u_map, scale_tril=scale_tril.to(u_map.dtype), source="laplace")
         found.clamped = clamped
-        found.newton_decrement = decrement
         return found
     gen = torch.Generator().manual_seed(0)
     diag = -space.hessian_diagonal(u_map, args, kwargs, generator=gen).to(torch.float64)
@@ -854,18 +847,26 @@ class _GaussianFit:
         dim = space.latent_dim
         self.dense = start.kind == "dense" and dim <= _VI_DENSE_LIMIT
         ref = start.loc
-        self.shift = torch.zeros(dim, dtype=ref.dtype, requires_grad=True)
+        # on the start's device: CPU parameters beside a CUDA start made every fit raise,
+        # and the search kept a Laplace that had failed its check
+        self.shift = torch.zeros(dim, dtype=ref.dtype, device=ref.device, requires_grad=True)
         # start a tenth as wide as ``start``: a Gaussian fit grows out of a narrow start
         # safely, while draws from a too-wide one (a Laplace along a network's flat
         # directions) can land where the log-density is astronomically low and its
         # gradient useless
         self.log_diag = torch.full(
-            (dim,), math.log(_VI_START_SCALE), dtype=ref.dtype, requires_grad=True
+            (dim,),
+            math.log(_VI_START_SCALE),
+            dtype=ref.dtype,
+            device=ref.device,
+            requires_grad=True,
         )
         self.params = [self.shift, self.log_diag]
         groups = [{"params": list(self.params)}]
         if self.dense:
-            self.lower = torch.zeros(dim, dim, dtype=ref.dtype, requires_grad=True)
+            self.lower = torch.zeros(
+                dim, dim, dtype=ref.dtype, device=ref.device, requires_grad=True
+            )
             self.params.append(self.lower)
             # Adam moves every entry by about lr per step whatever its gradient: a row of
             # D off-diagonal entries would grow like lr sqrt(D) per step, so their rate is
@@ -1038,22 +1039,17 @@ def find_preconditioner(
             eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
         if laplace is not None:
             diagnostics["clamped_curvatures"] = laplace.clamped
-            diagnostics["laplace_newton_decrement"] = getattr(laplace, "newton_decrement", None)
         if laplace is not None and dense:
             try:
                 lw = _elbo_draws(space, laplace, eps, args, kwargs)
-            except (ValueError, RuntimeError):  # a draw the model refuses (an overflow)
+            except (ValueError, RuntimeError):
+                # a draw the model refuses (a wide Laplace along a log-scale overflows its
+                # scale to inf, which the distribution's validation rejects) fails the check
                 lw = torch.full((check_draws,), -math.inf)
             lw_sd = lw.std().item() if torch.isfinite(lw).all() else math.inf
             diagnostics["laplace_log_weight_sd"] = lw_sd
             diagnostics["laplace_elbo"] = lw.mean().item() if math.isfinite(lw_sd) else -math.inf
-            # the weights see only where the Laplace puts its mass: at a mode at infinity
-            # (a funnel's neck, where L-BFGS and Newton keep climbing) the density is
-            # Gaussian on the Laplace's tiny scale and they pass. A Newton step still
-            # longer than one of the Laplace's own sds says the MAP is no mode (a
-            # hierarchical regression's search on CUDA ended so, sds 1e-6, and was kept)
-            unfinished = laplace.newton_decrement > _MAX_NEWTON_DECREMENT
-            needs_vi = not lw_sd <= max_log_weight_sd or unfinished
+            needs_vi = not lw_sd <= max_log_weight_sd
         if needs_vi:
             # two starts: the Laplace (or, without one, the MAP with its curvature
             # scales), and the model's own starting point with unit scales, as ADVI
@@ -1130,6 +1126,16 @@ def find_preconditioner(
                     best, chosen = elbo_vi, vi
                     diagnostics["gaussian_vi_elbo"] = elbo_vi
             diagnostics["gaussian_vi_seconds"] = time.perf_counter() - mark
+        if laplace is not None and needs_vi and "gaussian_vi_start" not in diagnostics:
+            warnings.warn(
+                "Preconditioner: the Laplace approximation failed its importance check "
+                f"(log-weight sd {diagnostics['laplace_log_weight_sd']:.3g} > "
+                f"{max_log_weight_sd}) and no Gaussian fit could replace it ({problem}); "
+                "the Laplace is used. Pass precondition=Preconditioner(loc, scale_tril) to "
+                "give one, or precondition=False to run unpreconditioned.",
+                PreconditionerWarning,
+                stacklevel=3,
+            )
         if laplace is None:
             if chosen is not None:
                 warnings.warn(

@@ -92,3 +92,23 @@ def test_particles_step_on_the_data_device(device, function_space):
     particles = inference.get_named_particles()
     _check_draws(particles, device)
     _check_draws(Predictive(model, posterior_samples=particles, return_sites=["f"])(x), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_preconditioner_search_fits_on_the_data_device(device):
+    # the Laplace of log p(u) = -u^2/2 - u^4 fails its importance check, so the Gaussian
+    # fit must run where the data are: its parameters once stayed on the CPU beside a
+    # CUDA start, every fit raised, and the failed Laplace was kept
+    from pyro_implicit.latent import LatentSpace, find_preconditioner
+
+    x = torch.zeros(3, device=device)
+
+    def quartic(x):
+        u = pyro.sample("u", pyro.distributions.Normal(x.new_zeros(()), 1.0))
+        pyro.factor("quartic", -(u**4) + x.sum())
+
+    space = LatentSpace.from_model(quartic, (x,))
+    pre = find_preconditioner(space, space.init_loc, (x,))
+    assert pre.source == "gaussian_vi"
+    assert pre.loc.device.type == device
+    assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)  # the best Gaussian's sd

@@ -216,6 +216,49 @@ def test_non_gaussian_mode_is_refined_by_a_gaussian_fit():
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
 
 
+def _quartic():
+    # log p(u) = -u^2/2 - u^4: its Laplace fails the importance check
+    u = pyro.sample("u", dist.Normal(0.0, 1.0))
+    pyro.factor("quartic", -(u**4))
+
+
+def test_a_laplace_kept_after_failed_fits_is_said(monkeypatch):
+    # the Laplace failed its check and both Gaussian fits raised (as CPU parameters
+    # beside a CUDA start once made them): the search keeps the Laplace, and says so
+    space, init = space_of(_quartic, ())
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr("pyro_implicit.latent._GaussianFit.run", fail)
+    with pytest.warns(PreconditionerWarning, match="no Gaussian fit could replace it.*device"):
+        pre = find_preconditioner(space, init, ())
+    assert pre.source == "laplace"
+
+
+def test_a_check_draw_the_model_refuses_fails_the_check(monkeypatch):
+    # a wide Laplace along a log-scale overflows a draw's scale to inf, which the
+    # model's validation refuses with a ValueError: the check fails and the Gaussian fit
+    # runs, instead of the error ending the search
+    import pyro_implicit.latent as latent
+
+    space, init = space_of(_quartic, ())
+    calls = []
+    elbo_draws = latent._elbo_draws
+
+    def refuse_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("Expected parameter scale ... to satisfy the constraint")
+        return elbo_draws(*args, **kwargs)
+
+    monkeypatch.setattr(latent, "_elbo_draws", refuse_first)
+    pre = find_preconditioner(space, init, ())
+    assert pre.source == "gaussian_vi"
+    assert pre.diagnostics["laplace_log_weight_sd"] == math.inf
+    assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
+
+
 def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises():
     # the quartic target above at a slow rate, in rounds of 20 steps: one round alone
     # (no room for more under vi_max_steps) leaves the fit far narrower than the best

@@ -262,3 +262,19 @@ def test_more_dimensions_than_draws_use_the_draws_diagonal():
     grad = -(s * eps).mean(0)  # the diagonal of mean_j -s(u_j) eps_j^T
     assert torch.allclose(grad, 1.0 / a, rtol=1e-8)
     assert torch.isfinite(sample_score(eps * a)).all()
+
+
+def test_float32_draws_on_fewer_dimensions_still_give_a_gaussian():
+    # float32 draws that span 10 of 40 dimensions (a generator's draws on a GPU did): the
+    # covariance's float32 Cholesky fails; the contrast Gaussian is factored in float64
+    # and stays finite, in the draws' dtype
+    from pyro_implicit.elbo.kernel_ratio import _fit_contrast
+
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(100, 10, generator=g) @ torch.randn(10, 40, generator=g)).float()
+    for kind in ("moments", "full"):
+        gauss = _fit_contrast(q, kind)
+        assert gauss.loc.dtype == torch.float32
+        assert torch.isfinite(gauss.log_prob(q)).all()
+    constant = torch.ones(100, 40)  # no spread at all: no factor exists, the diagonal
+    assert torch.isfinite(_fit_contrast(constant, "moments").log_prob(constant)).all()
