@@ -112,3 +112,46 @@ def test_preconditioner_search_fits_on_the_data_device(device):
     assert pre.source == "gaussian_vi"
     assert pre.loc.device.type == device
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)  # the best Gaussian's sd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_diagnostics_on_the_data_device(device):
+    # PSIS's smoothed tail and the AUROC's ranks are written into tensors on the
+    # weights' (the scores') device
+    from pyro_implicit.diagnostics.classification import auroc
+    from pyro_implicit.diagnostics.importance import pareto_smooth
+
+    g = torch.Generator().manual_seed(0)
+    log_weights = (2.0 * torch.randn(400, generator=g, dtype=torch.float64)).to(device)
+    smoothed, k_hat = pareto_smooth(log_weights)
+    assert smoothed.device.type == device and math.isfinite(k_hat)
+    assert torch.logsumexp(smoothed, 0).item() == pytest.approx(0.0, abs=1e-9)
+    scores = torch.randn(50, generator=g).to(device)
+    assert auroc(scores + 10.0, scores) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plots_of_draws_on_the_data_device(device):
+    # matplotlib reads numpy, which cannot see GPU memory: the plots move draws to the CPU
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from pyro_implicit.diagnostics.plots import pair_plot, regression_predictive_plot
+
+    g = torch.Generator().manual_seed(0)
+    draws = {"mu": torch.randn(50, generator=g).to(device)}
+    reference = {"mu": torch.randn(60, generator=g).to(device)}
+    assert len(pair_plot(draws, reference).axes) == 1
+    model = BNNRegression(1, hidden_dims=(4,))
+    x = torch.linspace(-2, 2, 7, device=device).unsqueeze(-1)
+
+    def weights(n):
+        return {
+            "layer0": torch.randn(n, 2, 4, generator=g).to(device),
+            "layer1": torch.randn(n, 5, 1, generator=g).to(device),
+            "precision": torch.full((n,), 100.0, device=device),
+        }
+
+    fig = regression_predictive_plot(
+        model, x, {"m": weights(20)}, weights(30), y=x[:, 0], max_plate_nesting=1
+    )
+    assert [a.get_title() for a in fig.axes if a.axison] == ["m"]

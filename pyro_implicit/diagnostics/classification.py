@@ -51,7 +51,7 @@ def auroc(scores_in, scores_out):
     scores = torch.cat([scores_in, scores_out]).double()
     order = scores.argsort()
     ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=scores.dtype)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=scores.dtype, device=scores.device)
     # average ranks over ties
     unique, inverse = scores.unique(return_inverse=True)
     sums = torch.zeros_like(unique).index_add_(0, inverse, ranks)

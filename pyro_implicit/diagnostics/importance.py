@@ -123,7 +123,7 @@ def pareto_smooth(log_weights):
         k_hat, sigma = fit_generalized_pareto(excess)
         if math.isfinite(k_hat):
             n = tail.numel()
-            p = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+            p = (torch.arange(n, dtype=torch.float64, device=lw.device) + 0.5) / n
             if abs(k_hat) > 1e-10:
                 quantile = sigma / k_hat * ((1 - p).pow(-k_hat) - 1)
             else:

@@ -54,6 +54,7 @@ def select_coordinates(samples, coords=None, max_coords=6):
     :raises ValueError: for a name that is neither a site nor a coordinate.
     """
     x, names = flatten_samples(samples)
+    x = x.cpu()  # matplotlib reads numpy: draws made on a GPU are plotted from the CPU
     if coords is None:
         spread = x.std(0) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=x.dtype)
         varying = [
@@ -113,6 +114,7 @@ def pair_plot(
     }
     ref, names = select_coordinates(reference, coords, max_coords)
     full, all_names = flatten_samples({k: samples[k] for k in reference})
+    full = full.cpu()
     index = {n: i for i, n in enumerate(all_names)}
     draws = full[:, [index[n] for n in names]]
     k = len(names)
@@ -283,14 +285,14 @@ def regression_predictive_plot(
         out = predictive_samples(
             model, (x,), kwargs, d, sites=sites, max_plate_nesting=max_plate_nesting, seed=seed
         )
-        return out[mean_site].to(torch.float64).mean(0), _band(
-            out[obs_site].to(torch.float64), prob
+        return out[mean_site].to("cpu", torch.float64).mean(0), _band(
+            out[obs_site].to("cpu", torch.float64), prob
         )
 
     ref_mean, (_, ref_lo, ref_hi) = predict(reference)
     if x.shape[-1] == 1:
-        order = torch.argsort(x[:, 0])
-        pos = x[order, 0]
+        order = torch.argsort(x[:, 0].cpu())
+        pos = x[:, 0].cpu()[order]
         xlabel = "x"
     else:
         order = torch.argsort(ref_mean)
@@ -326,7 +328,7 @@ def regression_predictive_plot(
         )
         ax.plot(pos, mean[order].numpy(), color=METHOD_COLOR, linewidth=1.2, label=f"{name} mean")
         if y is not None:
-            ax.scatter(pos, y[order].numpy(), s=5, color="k", zorder=3, label="y")
+            ax.scatter(pos, y.cpu()[order].numpy(), s=5, color="k", zorder=3, label="y")
         ax.set_title(name)
         ax.set_xlabel(xlabel, fontsize="small")
         ax.legend(fontsize="x-small", frameon=False)
