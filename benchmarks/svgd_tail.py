@@ -37,7 +37,7 @@ VARIANTS = {
     "SGD 0.1": ({}, ("SGD", 0.1)),
     "SGD 0.03": ({}, ("SGD", 0.03)),
     "SGD 0.3": ({}, ("SGD", 0.3)),
-    "N = 300, SGD 0.1": ({"num_particles": 300}, ("SGD", 0.1)),
+    "N = 300 SGD 0.1": ({"num_particles": 300}, ("SGD", 0.1)),
     "Adagrad 0.1": ({}, ("Adagrad", 0.1)),
     "N = 300": ({"num_particles": 300}, ("Adam", 1e-2)),
     "bandwidth x0.5": ({"kernel": RBFKernel(bandwidth_factor=0.5)}, ("Adam", 1e-2)),
