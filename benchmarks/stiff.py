@@ -870,6 +870,7 @@ def fit_one(
     average=False,
     lr_decay=None,
     schedule=None,
+    optimizer="adam",
 ):
     """Fit one (model, method, precondition) and score it against ``reference``; with
     ``reparam`` the fit is of :func:`non_centred` ``(model)`` and its draws of the
@@ -892,9 +893,13 @@ def fit_one(
         "lr_decay": lr_decay,
         "schedule": schedule,
     }
+    if optimizer != "adam":
+        row["optimizer"] = optimizer
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    if lr_decay is None:
+    if optimizer == "sgd":
+        optim = pyro.optim.SGD({"lr": lr})
+    elif lr_decay is None:
         optim = pyro.optim.Adam({"lr": lr})
     else:
         # compare's schedule: ClippedAdam, the rate decayed geometrically to lr * lr_decay
@@ -1173,6 +1178,12 @@ def main(argv=None):
         help="ClippedAdam with the rate decayed geometrically to this fraction of --lr over "
         "the run (compare's schedule: 0.1), instead of plain Adam",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="sgd: plain gradient steps at --lr (no --lr-decay or --schedule with it)",
+    )
     p.add_argument("--draws", type=int, default=2000, help="posterior draws per guide")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--markdown", help="results table (Markdown)")
@@ -1225,6 +1236,8 @@ def main(argv=None):
     if args.reparam and args.diagnostics:
         # k-hat would score the reparameterised model's guide against the original model
         p.error("--diagnostics reads the original model: run it without --reparam")
+    if args.optimizer == "sgd" and (args.lr_decay is not None or args.schedule):
+        p.error("--optimizer sgd takes no --lr-decay or --schedule")
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float64)
     command = "python benchmarks/stiff.py " + " ".join(argv)
@@ -1265,7 +1278,9 @@ def main(argv=None):
             "precondition": args.precondition,
             "seed": args.seed,
             "lr": args.lr,
-            "optimizer": "pyro.optim.Adam"
+            "optimizer": "pyro.optim.SGD"
+            if args.optimizer == "sgd"
+            else "pyro.optim.Adam"
             if args.lr_decay is None
             else f"pyro.optim.ClippedAdam, lr decayed to {args.lr_decay:g} x lr",
             "lr_decay": args.lr_decay,
@@ -1330,6 +1345,7 @@ def main(argv=None):
                     average=args.average,
                     lr_decay=args.lr_decay,
                     schedule=args.schedule,
+                    optimizer=args.optimizer,
                 )
                 row["nuts_wall_time"] = meta["wall_time"]
                 if nuts_seconds is not None:
