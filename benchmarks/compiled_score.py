@@ -18,6 +18,9 @@ Usage::
         --repeats 2 --losses autonormal,stein-fx,asvgd-fx,kivi-fx \
         --numpyro-python /path/to/env-with-numpyro/bin/python \
         --out benchmarks/results/numpyro_steps.md
+    python benchmarks/compiled_score.py --only-losses --device cuda --loss-particles 100 \
+        --models hierarchical_logistic,boston_bnn --numpyro-python python3 \
+        --out benchmarks/results/gpu_steps.md
 """
 
 import argparse
