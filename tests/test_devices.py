@@ -155,3 +155,24 @@ def test_plots_of_draws_on_the_data_device(device):
         model, x, {"m": weights(20)}, weights(30), y=x[:, 0], max_plate_nesting=1
     )
     assert [a.get_title() for a in fig.axes if a.axison] == ["m"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_arviz_export_of_a_guide_on_the_data_device(device):
+    # the export's log-likelihood, posterior predictive, KSD and PSIS read draws made
+    # where the data live, and hand numpy arrays to ArviZ
+    pytest.importorskip("arviz")
+    from pyro_implicit.diagnostics import to_inference_data
+
+    model, x, y = _problem(device)
+    guide = SemiImplicitGuide(model, precondition=False)  # the search is tested above
+    loss = SIVI_ELBO(num_particles=4, num_mixing=4, max_plate_nesting=1)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
+    for _ in range(2):
+        svi.step(x, y)
+    idata = to_inference_data(
+        model, (x, y), source=guide, num_samples=20, max_plate_nesting=1, seed=0, diagnostics=True
+    )
+    assert idata["posterior"]["precision"].shape == (1, 20)
+    assert idata["log_likelihood"]["obs"].shape == (1, 20, 24)
+    assert math.isfinite(idata["posterior"].attrs["pareto_k"])
