@@ -512,3 +512,21 @@ def test_linearized_density_and_entropy_are_those_of_u():
     site = next(s for s in trace.nodes.values() if implicit_site_info(s) is not None)
     entropy, _ = elbo._site_entropy(trace, site)
     torch.testing.assert_close(entropy.detach(), expected.detach().expand(3))
+
+
+def test_marginal_of_an_ill_conditioned_float32_factor():
+    # a float32 L with sds from 1 down to 1e-6: the covariance block's float32 Cholesky
+    # (and float64's, L's condition number squared) fails; the QR of L_I^T gives a factor
+    gen = torch.Generator().manual_seed(0)
+    dim = 12
+    tril = torch.randn(dim, dim, generator=gen).tril()
+    tril.diagonal().copy_(torch.logspace(0, -6, dim))
+    pre = Preconditioner(torch.zeros(dim, dtype=torch.float32), scale_tril=tril.float())
+    full = tril.float().double()
+    for index in (torch.arange(dim), torch.tensor([7, 2, 11, 0, 5])):
+        marginal = pre.marginal(index)
+        assert marginal.scale_tril.dtype == torch.float32
+        assert (marginal.scale_tril.diagonal() > 0).all()
+        block = full[index] @ full[index].T
+        got = marginal.scale_tril.double() @ marginal.scale_tril.double().T
+        assert ((got - block).abs().max() / block.abs().max()).item() < 1e-6
