@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared command for a machine with CUDA (about 5 minutes on one
-# H100): the device tests with `cuda` among their devices, then every implicit loss's SVI
-# step on the GPU against AutoNormal and, where JAX and NumPyro are installed, NumPyro on
-# JAX's GPU platform (benchmarks/results/gpu_steps.md holds the first run's numbers).
+# The GPU checks, as one prepared command for a machine with CUDA (on one H100 the tests
+# took 69 s and the benchmark about 140 s): the device tests with `cuda` among their
+# devices, then every implicit loss's SVI step on the GPU against AutoNormal and, where
+# JAX and NumPyro are installed, NumPyro on JAX's GPU platform
+# (benchmarks/results/gpu_steps.md holds the first run's numbers).
 #
 #   PYRO_IMPLICIT_DATA=/path/to/data OUT=/path/to/results bash benchmarks/gpu_check.sh
 #
