@@ -120,7 +120,8 @@ def pareto_smooth(log_weights):
         k_hat = math.inf
     else:
         excess = lw[tail].exp() - math.exp(cutoff)
-        k_hat, sigma = fit_generalized_pareto(excess)
+        # Pyro's fit makes its grid on the CPU: the tail (a few dozen numbers) goes there
+        k_hat, sigma = fit_generalized_pareto(excess.cpu())
         if math.isfinite(k_hat):
             n = tail.numel()
             p = (torch.arange(n, dtype=torch.float64, device=lw.device) + 0.5) / n
