@@ -922,10 +922,10 @@ def _diagonal_gaussian(loc, sd):
 def _dense_gaussian(loc, centred, divisor, jitter, sd, shrink=0.0):
     """The Gaussian of the draws' covariance ``centred^T centred / divisor`` (shrunk by
     ``shrink`` towards its diagonal, ``jitter`` times its mean variance added), factored
-    in float64: float32 draws of a well-conditioned generator gave a covariance whose
-    float32 Cholesky failed on a GPU (the hierarchical regression with D = 40). Where even
-    float64 finds no factor (draws on fewer than D dimensions), the diagonal Gaussian of
-    the sds ``sd``, as for D >= N."""
+    in float64: float32 draws that spanned 10 of 40 dimensions (under a degenerate
+    preconditioner the search once kept on CUDA, ``gpu_preconditioner_probe.md``) gave a
+    covariance whose float32 Cholesky failed. Where even float64 finds no factor, the
+    diagonal Gaussian of the sds ``sd``, as for D >= N."""
     c = centred.double()
     cov = c.T @ c / divisor
     if shrink:
