@@ -1036,6 +1036,7 @@ def find_preconditioner(
         # 50 s to end far below the Laplace's ELBO, and the check alone was half of a
         # 10 s search at D = 2e5 (check_draws full-data evaluations)
         needs_vi = laplace is None
+        compared = False  # whether a Gaussian fit ended with a finite ELBO to compare
         if needs_vi or dense:  # the check draws: the importance check's and the fits'
             gen = torch.Generator().manual_seed(seed)
             eps = torch.randn(check_draws, dim, generator=gen, dtype=init_loc.dtype).to(init_loc)
@@ -1121,14 +1122,23 @@ def find_preconditioner(
                         f"({e}); its last finite state is kept"
                     )
                 vi = fit.preconditioner()
-                elbo_vi = fit.elbo()
+                try:
+                    elbo_vi = fit.elbo()
+                except (ValueError, RuntimeError):  # a check draw the model refuses
+                    elbo_vi = -math.inf
                 diagnostics["gaussian_vi_start"] = label
                 diagnostics["gaussian_vi_steps"] = fit.steps
-                if math.isfinite(elbo_vi) and (best is None or elbo_vi > best):
-                    best, chosen = elbo_vi, vi
-                    diagnostics["gaussian_vi_elbo"] = elbo_vi
+                if not math.isfinite(elbo_vi):
+                    problem = (problem + "; " if problem else "") + (
+                        f"the Gaussian fit from the {label} ended at a non-finite ELBO"
+                    )
+                else:
+                    compared = True
+                    if best is None or elbo_vi > best:
+                        best, chosen = elbo_vi, vi
+                        diagnostics["gaussian_vi_elbo"] = elbo_vi
             diagnostics["gaussian_vi_seconds"] = time.perf_counter() - mark
-        if laplace is not None and needs_vi and "gaussian_vi_start" not in diagnostics:
+        if laplace is not None and needs_vi and not compared:
             warnings.warn(
                 "Preconditioner: the Laplace approximation failed its importance check "
                 f"(log-weight sd {diagnostics['laplace_log_weight_sd']:.3g} > "

@@ -234,6 +234,12 @@ def test_a_laplace_kept_after_failed_fits_is_said(monkeypatch):
     with pytest.warns(PreconditionerWarning, match="no Gaussian fit could replace it.*device"):
         pre = find_preconditioner(space, init, ())
     assert pre.source == "laplace"
+    # fits that run but end at a non-finite ELBO replace nothing either, and say so
+    monkeypatch.undo()
+    monkeypatch.setattr("pyro_implicit.latent._GaussianFit.elbo", lambda self: -math.inf)
+    with pytest.warns(PreconditionerWarning, match="replace it.*non-finite ELBO"):
+        pre = find_preconditioner(space, init, ())
+    assert pre.source == "laplace"
 
 
 def test_a_check_draw_the_model_refuses_fails_the_check(monkeypatch):
