@@ -35,6 +35,11 @@ VARIANTS = {
     "default": ({}, ("Adam", 1e-2)),
     "Adam 3e-3": ({}, ("Adam", 3e-3)),
     "SGD 0.1": ({}, ("SGD", 0.1)),
+    # Adam whose eps is near the Stein force's size at convergence: SGD at rate lr / eps
+    # for small forces, Adam's normalised steps for large ones
+    "Adam eps 0.01": ({}, ("Adam", 1e-2, {"eps": 0.01})),
+    "Adam eps 0.03": ({}, ("Adam", 1e-2, {"eps": 0.03})),
+    "Adam eps 0.1": ({}, ("Adam", 1e-2, {"eps": 0.1})),
     "SGD 0.03": ({}, ("SGD", 0.03)),
     "SGD 0.3": ({}, ("SGD", 0.3)),
     "N = 300 SGD 0.1": ({"num_particles": 300}, ("SGD", 0.1)),
@@ -70,9 +75,12 @@ def fit(model, args, options, optim, checkpoints, seed):
     """``[(step, tau draws, seconds)]`` and the fitted object."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    name, lr = optim
+    name, lr, *extra = optim
     svgd = WeightSpaceSVGD(
-        model, getattr(pyro.optim, name)({"lr": lr}), max_plate_nesting=1, **options
+        model,
+        getattr(pyro.optim, name)({"lr": lr, **(extra[0] if extra else {})}),
+        max_plate_nesting=1,
+        **options,
     )
     out, start = [], time.perf_counter()
     for step in range(1, max(checkpoints) + 1):
