@@ -871,6 +871,7 @@ def fit_one(
     lr_decay=None,
     schedule=None,
     optimizer="adam",
+    adam_eps=None,
 ):
     """Fit one (model, method, precondition) and score it against ``reference``; with
     ``reparam`` the fit is of :func:`non_centred` ``(model)`` and its draws of the
@@ -895,12 +896,14 @@ def fit_one(
     }
     if optimizer != "adam":
         row["optimizer"] = optimizer
+    if adam_eps is not None:
+        row["adam_eps"] = adam_eps
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     if optimizer == "sgd":
         optim = pyro.optim.SGD({"lr": lr})
     elif lr_decay is None:
-        optim = pyro.optim.Adam({"lr": lr})
+        optim = pyro.optim.Adam({"lr": lr, **({} if adam_eps is None else {"eps": adam_eps})})
     else:
         # compare's schedule: ClippedAdam, the rate decayed geometrically to lr * lr_decay
         optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": lr_decay ** (1.0 / max(steps, 1))})
@@ -1184,6 +1187,12 @@ def main(argv=None):
         default="adam",
         help="sgd: plain gradient steps at --lr (no --lr-decay or --schedule with it)",
     )
+    p.add_argument(
+        "--adam-eps",
+        type=float,
+        default=None,
+        help="Adam's eps (default torch's 1e-8); with plain Adam only",
+    )
     p.add_argument("--draws", type=int, default=2000, help="posterior draws per guide")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--markdown", help="results table (Markdown)")
@@ -1238,6 +1247,10 @@ def main(argv=None):
         p.error("--diagnostics reads the original model: run it without --reparam")
     if args.optimizer == "sgd" and (args.lr_decay is not None or args.schedule):
         p.error("--optimizer sgd takes no --lr-decay or --schedule")
+    if args.adam_eps is not None and (
+        args.optimizer != "adam" or args.lr_decay is not None or args.schedule
+    ):
+        p.error("--adam-eps is for plain Adam: no --optimizer sgd, --lr-decay or --schedule")
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(torch.float64)
     command = "python benchmarks/stiff.py " + " ".join(argv)
@@ -1283,6 +1296,7 @@ def main(argv=None):
             else "pyro.optim.Adam"
             if args.lr_decay is None
             else f"pyro.optim.ClippedAdam, lr decayed to {args.lr_decay:g} x lr",
+            "adam_eps": args.adam_eps,
             "lr_decay": args.lr_decay,
             "schedule": args.schedule,
             "num_draws": args.draws,
@@ -1346,6 +1360,7 @@ def main(argv=None):
                     lr_decay=args.lr_decay,
                     schedule=args.schedule,
                     optimizer=args.optimizer,
+                    adam_eps=args.adam_eps,
                 )
                 row["nuts_wall_time"] = meta["wall_time"]
                 if nuts_seconds is not None:
