@@ -25,6 +25,6 @@ timeout "${BENCH_S:-400}" "$PYTHON" compiled_score.py --only-losses --device cud
     --loss-particles 100 --calls 200 --repeats 2 \
     --models "${MODELS:-hierarchical_logistic,boston_bnn}" \
     --losses "${LOSSES:-autonormal,kivi-fx,stein-fx,asvgd-fx,gpvi-fx,sivi-fx,livi-fx}" \
-    "${NUMPYRO[@]}" --out "$OUT/gpu_steps.md" > "$OUT/gpu_steps.log" 2>&1
+    ${NUMPYRO[@]+"${NUMPYRO[@]}"} --out "$OUT/gpu_steps.md" > "$OUT/gpu_steps.log" 2>&1
 echo "benchmark exit status $?"
 tail -n 40 "$OUT/gpu_steps.log"
