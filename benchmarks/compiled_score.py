@@ -239,6 +239,15 @@ def time_loss(model, args, kwargs, mpn, name, particles, steps, seed):
     return 1000 * (time.perf_counter() - start) / steps, setup, compile_seconds, trace_seconds
 
 
+def _time_loss_of(entry, loss_name, args):
+    """:func:`time_loss` of a :func:`models` entry at the command line's particles, steps
+    (half of ``--calls``) and seed."""
+    model, margs, mkwargs, mpn = entry
+    return time_loss(
+        model, margs, mkwargs, mpn, loss_name, args.loss_particles, args.calls // 2, args.seed
+    )
+
+
 @contextlib.contextmanager
 def _recording_graphs():
     """The :class:`~pyro_implicit.compiled.CompiledLogDensity` objects built inside, as a
@@ -336,15 +345,8 @@ def main_losses(args, command, commit):
                 if (name, loss_name) in failures:
                     continue
                 try:
-                    ms, setup, compiling, tracing = time_loss(
-                        model,
-                        margs,
-                        mkwargs,
-                        mpn,
-                        loss_name,
-                        args.loss_particles,
-                        args.calls // 2,
-                        args.seed,
+                    ms, setup, compiling, tracing = _time_loss_of(
+                        (model, margs, mkwargs, mpn), loss_name, args
                     )
                 except Exception as e:  # a cell that cannot run is reported, not hidden
                     traceback.print_exc()
@@ -677,16 +679,7 @@ def main(argv=None):
             for loss_name in LOSSES:
                 if name == "boston_bnn" and loss_name.startswith("gpvi"):
                     continue  # D = 752: GPVI's helper network, not the score, sets its pace
-                ms = time_loss(
-                    model,
-                    margs,
-                    mkwargs,
-                    mpn,
-                    loss_name,
-                    args.loss_particles,
-                    args.calls // 2,
-                    args.seed,
-                )[0]
+                ms = _time_loss_of((model, margs, mkwargs, mpn), loss_name, args)[0]
                 losses[loss_name] = min(losses[loss_name], ms)
         rows.append((name, space.latent_dim, best, builds, steps, setups, losses))
         print(
