@@ -128,9 +128,12 @@ def jacobian(generator, z):
 class _HalfLogDetGram(torch.autograd.Function):
     r""":math:`\tfrac12\log\det(A^\top A + v I)` of each matrix of an ``(S, m, k)`` batch,
     in float64, with the gradient :math:`A (A^\top A + v I)^{-1}` taken from the forward
-    pass's Cholesky factor: two triangular solves per draw. Autograd through the Cholesky
+    pass's Cholesky factor :math:`L L^\top = A^\top A + v I`: two triangular solves per
+    draw, :math:`A L^{-\top} L^{-1}`, solved from the right. Autograd through the Cholesky
     factorisation costs about twice as much (measured on 100 draws of 40 x 40 Jacobians),
-    and LIVI's step pays it on every draw."""
+    and LIVI's step pays it on every draw; ``torch.cholesky_solve`` on the transposed
+    problem (the same two solves from the left) took 2.0 ms against 1.3 ms here (best of
+    15, 100 draws of 40 x 40, one CPU thread)."""
 
     @staticmethod
     def forward(ctx, a, var):
@@ -146,7 +149,9 @@ class _HalfLogDetGram(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a64, chol = ctx.saved_tensors
-        a_gram_inv = torch.cholesky_solve(a64.mT, chol).mT
+        solve = torch.linalg.solve_triangular
+        a_chol_inv_t = solve(chol.mT, a64, upper=True, left=False)  # A L^{-T}
+        a_gram_inv = solve(chol, a_chol_inv_t, upper=False, left=False)
         return (grad.to(torch.float64)[..., None, None] * a_gram_inv).to(ctx.dtype), None
 
 
