@@ -176,18 +176,23 @@ class MLPGenerator(nn.Module):
         batched forward-mode products (which carry their own autograd graph).
         """
         derivative = _DERIVATIVES[self.activation]
-        h, jac = noise, None  # jac None: the identity
+        # built transposed, J^T = W_1^T diag(a'_1) ... W_L^T: each product with a shared
+        # weight is then one matrix product over all rows; the batched product with the
+        # weight expanded per row took 5.4 ms against 4.5 forward and backward (100 rows,
+        # 40 -> 80 -> 80 -> 40, one CPU thread). J comes back as a transposed view.
+        h, jac_t = noise, None  # jac_t None: the identity
         layers = list(self.hidden)
         for linear, act in zip(layers[::2], layers[1::2], strict=True):
             pre = linear(h)
             h = act(pre)
-            jac = linear.weight if jac is None else linear.weight @ jac
-            jac = derivative(pre, h).unsqueeze(-1) * jac
+            weight_t = linear.weight.mT
+            jac_t = weight_t if jac_t is None else jac_t @ weight_t
+            jac_t = derivative(pre, h).unsqueeze(-2) * jac_t
         weight = self.output.weight
-        if jac is None:  # an affine generator: the same J for every row
+        if jac_t is None:  # an affine generator: the same J for every row
             jac = weight.expand(noise.shape[:-1] + weight.shape)
         else:
-            jac = weight @ jac
+            jac = (jac_t @ weight.mT).mT
         if self.skip:
             k = self.skip_dim
             eye = torch.zeros(self.out_dim, self.noise_dim, dtype=jac.dtype, device=jac.device)
