@@ -26,7 +26,7 @@ def fit(model, guide, *args, steps=1000, lr=1e-2, final_lr=2e-3, **elbo_kwargs):
     return elbo
 
 
-# accurate settings for small models (README: "choosing the contrast")
+# accurate settings for small models (docs/choosing_settings.md: "Exact sites and the contrast")
 ACCURATE = dict(adaptive_contrast="full", regularizer=1e-2)
 
 
@@ -240,8 +240,9 @@ def test_normal_normal_posterior():
 
 def test_normal_normal_posterior_paper_estimator():
     # KIVI's own estimator (prior samples). At the paper's lambda = 1e-3 it is unstable on
-    # this 1-D model (the spread collapses and recovers; README, "choosing settings"); at
-    # lambda = 0.1 it is stable with the lambda-dependent shrinkage the paper discusses.
+    # this 1-D model (the spread collapses and recovers; docs/choosing_settings.md, "Exact
+    # sites and the contrast"); at lambda = 0.1 it is stable with the lambda-dependent
+    # shrinkage the paper discusses.
     y = torch.randn(10) + 1.0
     post_var = 1.0 / (1.0 + len(y))
     post_mean = post_var * y.sum()

@@ -211,7 +211,8 @@ def test_exact_site_beside_an_implicit_guide_reaches_the_exact_gamma_posterior()
     guide = AutoGuideList(model)
     guide.append(ImplicitGuide(poutine.block(model, hide=["lam"])))
     guide.append(_gamma_guide)
-    # adaptive contrast: the accurate setting for small models (README, kivi_settings.md)
+    # adaptive contrast: the accurate setting for small models (docs/choosing_settings.md,
+    # "Exact sites and the contrast"; kivi_settings.md)
     elbo = KernelRatioELBO(
         num_particles=50,
         exact_sites="lam",

@@ -667,7 +667,8 @@ class KernelRatioELBO(ImplicitELBO):
             "stiff posteriors). Most such fits end far off, some come back; check this one "
             "(diagnostics[...]['drift'] at the end) before trusting it, or train the same "
             "guide with SteinScoreELBO(), or use KernelRatioELBO(contrast_rate=0.02), whose "
-            "contrast follows q (the README's 'Choosing KernelRatioELBO's settings').",
+            "contrast follows q (docs/choosing_settings.md, 'Choosing KernelRatioELBO's "
+            "settings').",
             RunawayWarning,
             stacklevel=5,
         )
