@@ -176,23 +176,18 @@ class MLPGenerator(nn.Module):
         batched forward-mode products (which carry their own autograd graph).
         """
         derivative = _DERIVATIVES[self.activation]
-        # built transposed, J^T = W_1^T diag(a'_1) ... W_L^T: each product with a shared
-        # weight is then one matrix product over all rows; the batched product with the
-        # weight expanded per row took 5.4 ms against 4.5 forward and backward (100 rows,
-        # 40 -> 80 -> 80 -> 40, one CPU thread).
-        h, jac_t = noise, None  # jac_t None: the identity
+        h, jac = noise, None  # jac None: the identity
         layers = list(self.hidden)
         for linear, act in zip(layers[::2], layers[1::2], strict=True):
             pre = linear(h)
             h = act(pre)
-            weight_t = linear.weight.mT
-            jac_t = weight_t if jac_t is None else jac_t @ weight_t
-            jac_t = derivative(pre, h).unsqueeze(-2) * jac_t
+            jac = linear.weight if jac is None else linear.weight @ jac
+            jac = derivative(pre, h).unsqueeze(-1) * jac
         weight = self.output.weight
-        if jac_t is None:  # an affine generator: the same J for every row
+        if jac is None:  # an affine generator: the same J for every row
             jac = weight.expand(noise.shape[:-1] + weight.shape)
         else:
-            jac = (jac_t @ weight.mT).mT.contiguous()
+            jac = weight @ jac
         if self.skip:
             k = self.skip_dim
             eye = torch.zeros(self.out_dim, self.noise_dim, dtype=jac.dtype, device=jac.device)
