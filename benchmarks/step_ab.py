@@ -1,10 +1,12 @@
-"""One loss's SVI step at two commits, alternating in one run: how much a change saved.
+"""One loss's SVI step at two commits (or one commit under two environments), alternating in
+one run: how much a change saved.
 
 Each commit is checked out into a temporary ``git worktree``; every repeat runs one
 subprocess per commit (in turn, so load drifts hit both alike), which times ``--steps``
 steps of ``compiled_score.py``'s loss (``--method``, as its ``--losses`` names them) after
 five set-up steps, on one thread, and prints ms per step. The table holds the best repeat
-of each.
+of each. ``--after-env NAME=VALUE`` (repeatable) sets a variable for the "after" processes
+only, e.g. an allocator setting, with ``--before`` and ``--after`` the same commit.
 
 Usage::
 
@@ -41,9 +43,10 @@ print(json.dumps(ms))
 """
 
 
-def time_step(tree, method, model, steps, particles=100):
-    """ms per step of ``method`` on ``model`` with the library of ``tree``."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+def time_step(tree, method, model, steps, particles=100, extra_env=None):
+    """ms per step of ``method`` on ``model`` with the library of ``tree`` (and the
+    variables of ``extra_env`` set)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     # the data beside this checkout (a worktree elsewhere has none beside it)
     env.setdefault("PYRO_IMPLICIT_DATA", str(_provenance.REPO_ROOT.parent / "shared" / "data"))
     out = subprocess.run(
@@ -62,13 +65,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="commit without the change")
     parser.add_argument("--after", default="HEAD", help="commit with it")
-    parser.add_argument("--method", default="livi-fx")
+    parser.add_argument("--method", default="livi-fx", help="comma-separated")
     parser.add_argument("--models", default="eight_schools,hierarchical_logistic")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--particles", type=int, default=100, help="vectorised particles")
+    parser.add_argument(
+        "--after-env", action="append", default=[], help="NAME=VALUE for the after runs"
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    after_env = dict(item.split("=", 1) for item in args.after_env)
+    envs = {"before": {}, "after": after_env}
     prov = _provenance.provenance(__file__, argv, vars(args))
     root = _provenance.REPO_ROOT
     commits = {"before": args.before, "after": args.after}
@@ -80,10 +88,12 @@ def main(argv=None):
         "thread), ms "
         f"per step, best of {args.repeats} alternating repeats of {args.steps} steps, each "
         f"commit in its own worktree and process. before = {args.before}, after = "
-        f"{args.after}.",
+        f"{args.after}"
+        + (" with " + ", ".join(f"`{k}={v}`" for k, v in after_env.items()) if after_env else "")
+        + ".",
         "",
-        "| model | before ms | after ms | speed-up |",
-        "|---|---:|---:|---:|",
+        "| model | method | before ms | after ms | speed-up |",
+        "|---|---|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
@@ -105,16 +115,19 @@ def main(argv=None):
             )
         try:
             for model in args.models.split(","):
-                best = {key: float("inf") for key in trees}
-                for _ in range(args.repeats):
-                    for key, tree in trees.items():
-                        ms = time_step(tree, args.method, model, args.steps, args.particles)
-                        best[key] = min(best[key], ms)
-                lines.append(
-                    f"| {model} | {best['before']:.2f} | {best['after']:.2f} | "
-                    f"{best['before'] / best['after']:.2f} |"
-                )
-                print(lines[-1], flush=True)
+                for method in args.method.split(","):
+                    best = {key: float("inf") for key in trees}
+                    for _ in range(args.repeats):
+                        for key, tree in trees.items():
+                            ms = time_step(
+                                tree, method, model, args.steps, args.particles, envs[key]
+                            )
+                            best[key] = min(best[key], ms)
+                    lines.append(
+                        f"| {model} | {method} | {best['before']:.2f} | {best['after']:.2f} | "
+                        f"{best['before'] / best['after']:.2f} |"
+                    )
+                    print(lines[-1], flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(
