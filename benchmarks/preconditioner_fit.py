@@ -81,7 +81,9 @@ def score_automvn(name, steps, seed=0, num_draws=2000):
     return dict(row, source="automvn", vi_steps=steps, seconds=seconds)
 
 
-def score(name, vi_max_steps, seed=0, num_draws=2000, vi_draws=None, search_seed=0):
+def score(
+    name, vi_max_steps, seed=0, num_draws=2000, vi_draws=None, search_seed=0, vi_estimator=None
+):
     """``dict`` of the Gaussian's joint metrics against NUTS, its ELBO (20 000 draws), its
     source, the Gaussian fit's steps and the search's seconds."""
     model, args, kwargs, _ = stiff.MODELS[name]()
@@ -98,8 +100,9 @@ def score(name, vi_max_steps, seed=0, num_draws=2000, vi_draws=None, search_seed
         args,
         kwargs,
         vi_max_steps=vi_max_steps,
-        vi_draws=vi_draws,
         seed=search_seed,
+        **({"vi_draws": vi_draws} if vi_draws else {}),
+        **({"vi_estimator": vi_estimator} if vi_estimator else {}),
     )
     seconds = time.perf_counter() - start
     tril = found.scale_tril if found.scale_tril is not None else torch.diag(found.scale)
@@ -118,6 +121,9 @@ def main(argv=None):
     parser.add_argument("--vi-max-steps", default="auto,300")
     parser.add_argument("--vi-draws", default="auto")
     parser.add_argument("--search-seeds", default="0")
+    parser.add_argument(
+        "--vi-estimators", default="", help="comma-separated find_preconditioner vi_estimator"
+    )
     parser.add_argument("--automvn-steps", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", required=True)
@@ -129,6 +135,7 @@ def main(argv=None):
     draws = [None if d == "auto" else int(d) for d in args.vi_draws.split(",")]
     search_seeds = [int(s) for s in args.search_seeds.split(",")]
     automvn_steps = [int(n) for n in args.automvn_steps.split(",") if n.strip()]
+    estimators = [e for e in args.vi_estimators.split(",") if e] or [None]
     lines = [
         "# The preconditioner's Gaussian against NUTS",
         "",
@@ -139,16 +146,26 @@ def main(argv=None):
         "of a model); `vi steps`: the Gaussian fit's steps from the start it "
         "kept (0: the Laplace passed its check); `s`: the search's seconds.",
         "",
-        "| model | vi_max_steps | vi_draws | search seed | source | mean err | sd ratio | "
-        "energy | ELBO | vi steps | s |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | vi_max_steps | vi_draws | estimator | search seed | source | mean err | "
+        "sd ratio | energy | ELBO | vi steps | s |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in models:
-        for budget, vi_draws, search_seed in itertools.product(budgets, draws, search_seeds):
-            row = score(name, budget, seed=args.seed, vi_draws=vi_draws, search_seed=search_seed)
+        for budget, vi_draws, estimator, search_seed in itertools.product(
+            budgets, draws, estimators, search_seeds
+        ):
+            row = score(
+                name,
+                budget,
+                seed=args.seed,
+                vi_draws=vi_draws,
+                search_seed=search_seed,
+                vi_estimator=estimator,
+            )
             label = "auto" if budget is None else str(budget)
             line = (
-                f"| {name} | {label} | {vi_draws or 'auto'} | {search_seed} | {row['source']} | "
+                f"| {name} | {label} | {vi_draws or 'auto'} | {estimator or 'default'} | "
+                f"{search_seed} | {row['source']} | "
                 f"{row['mean_error_max']:.3f} | "
                 f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f} | "
                 f"{row['energy_distance']:.4f} | {row['elbo']:.3f} | {row['vi_steps']} | "
@@ -159,7 +176,8 @@ def main(argv=None):
         for steps in automvn_steps:
             row = score_automvn(name, steps, seed=args.seed)
             line = (
-                f"| {name} | - | - | - | automvn, {steps} steps | {row['mean_error_max']:.3f} | "
+                f"| {name} | - | - | - | - | automvn, {steps} steps | "
+                f"{row['mean_error_max']:.3f} | "
                 f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f} | "
                 f"{row['energy_distance']:.4f} | {row['elbo']:.3f} | - | {row['seconds']:.1f} |"
             )

@@ -835,14 +835,34 @@ def _elbo_draws(space, precond, eps, args, kwargs):
 
 
 class _GaussianFit:
-    """A Gaussian variational fit in the coordinates of ``start``: ``u = m + L (a + B e)``
+    r"""A Gaussian variational fit in the coordinates of ``start``: ``u = m + L (a + B e)``
     with lower-triangular ``B`` (diagonal for a diagonal ``start`` or beyond
     :data:`_VI_DENSE_LIMIT` coordinates, where ``L`` already carries the correlations), by
-    Adam on the reparameterised ELBO (exact Gaussian entropy). It runs in rounds
-    (:meth:`run`) that resume one optimiser, so that :func:`find_preconditioner` can go
-    on while the fit still improves and stop when it does not."""
+    Adam on the reparameterised ELBO. ``estimator="entropy"``: the model's term by its path
+    derivative, the exact Gaussian entropy's gradient added; ``"stl"``: the path derivative
+    of :math:`\log\tilde p - \log q` with q's parameters held in :math:`\log q`
+    ("sticking the landing", Roeder, Wu & Duvenaud 2017, eq. 8): the same expectation,
+    with q's own score as a control variate, so its noise vanishes where q matches the
+    posterior. It runs in rounds (:meth:`run`) that resume one optimiser, so that
+    :func:`find_preconditioner` can go on while the fit still improves and stop when it
+    does not."""
 
-    def __init__(self, space, start, args, kwargs, num_draws, lr, seed, check_eps, score=None):
+    def __init__(
+        self,
+        space,
+        start,
+        args,
+        kwargs,
+        num_draws,
+        lr,
+        seed,
+        check_eps,
+        score=None,
+        estimator="entropy",
+    ):
+        if estimator not in ("entropy", "stl"):
+            raise ValueError(f"estimator must be 'entropy' or 'stl', got {estimator!r}")
+        self.estimator = estimator
         self.space, self.start, self.args, self.kwargs = space, start, args, kwargs
         self.score = score or _scorer(space, args, kwargs)
         self.num_draws, self.check_eps, self.steps = num_draws, check_eps, 0
@@ -897,13 +917,19 @@ class _GaussianFit:
                 white = eps * self.log_diag.exp()
                 if self.dense:
                     white = white + eps @ self.lower.tril(-1).T
-                u = self.start.unwhiten(self.shift + white)
+                w = self.shift + white
+                u = self.start.unwhiten(w)
                 lp, grad = self.score(u.detach())
                 if not torch.isfinite(lp.mean() + self.log_diag.sum()):
                     raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
                 # the reparameterised gradient of -ELBO: the model's score, passed back
-                # through u = m + L(a + B e), and the exact Gaussian entropy's
-                surrogate = -((u * grad).sum(-1).mean() + self.log_diag.sum())
+                # through u = m + L(a + B e), and the exact Gaussian entropy's, or (stl)
+                # minus q's score at w, -B^{-T} e, passed back the same way
+                if self.estimator == "stl":
+                    surrogate = (w * self._whitened_score(eps)).sum(-1).mean()
+                else:
+                    surrogate = -self.log_diag.sum()
+                surrogate = surrogate - (u * grad).sum(-1).mean()
                 self.opt.zero_grad()
                 surrogate.backward()
                 self.opt.step()
@@ -917,6 +943,16 @@ class _GaussianFit:
             self.steps = steps
             raise
         return sum(elbos) / len(elbos)
+
+    def _whitened_score(self, eps):
+        r"""q's score at ``w = a + B e`` in the fit's coordinates, :math:`-B^{-\top} e` per
+        row, without a gradient (the parameters held in :math:`\log q`)."""
+        with torch.no_grad():
+            if not self.dense:
+                return -eps / self.log_diag.exp()
+            b = self.lower.tril(-1) + torch.diag(self.log_diag.exp())
+            # rows x with x^T = e^T B^{-1}, i.e. x = B^{-T} e
+            return -torch.linalg.solve_triangular(b, eps, upper=False, left=False)
 
     def elbo(self):
         """The ELBO of the current fit on the check draws (common to every fit)."""
@@ -954,6 +990,7 @@ def find_preconditioner(
     vi_tol=0.05,
     vi_draws=16,
     vi_lr=0.05,
+    vi_estimator="entropy",
     seed=0,
     compile="fx",
 ):
@@ -1090,7 +1127,16 @@ def find_preconditioner(
             for label, vi_start in starts:
                 try:
                     fit = _GaussianFit(
-                        space, vi_start, args, kwargs, draws, vi_lr, seed, eps, vi_score
+                        space,
+                        vi_start,
+                        args,
+                        kwargs,
+                        draws,
+                        vi_lr,
+                        seed,
+                        eps,
+                        vi_score,
+                        vi_estimator,
                     )
                     level = fit.run(vi_steps, decay=1.0 if rounds else 0.1)
                 except (ValueError, RuntimeError) as e:
