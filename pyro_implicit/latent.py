@@ -834,6 +834,11 @@ def _elbo_draws(space, precond, eps, args, kwargs):
     return lp - log_q
 
 
+def _check_vi_estimator(estimator):
+    if estimator not in ("entropy", "stl"):
+        raise ValueError(f"vi_estimator must be 'entropy' or 'stl', got {estimator!r}")
+
+
 class _GaussianFit:
     r"""A Gaussian variational fit in the coordinates of ``start``: ``u = m + L (a + B e)``
     with lower-triangular ``B`` (diagonal for a diagonal ``start`` or beyond
@@ -860,8 +865,7 @@ class _GaussianFit:
         score=None,
         estimator="entropy",
     ):
-        if estimator not in ("entropy", "stl"):
-            raise ValueError(f"estimator must be 'entropy' or 'stl', got {estimator!r}")
+        _check_vi_estimator(estimator)
         self.estimator = estimator
         self.space, self.start, self.args, self.kwargs = space, start, args, kwargs
         self.score = score or _scorer(space, args, kwargs)
@@ -914,24 +918,8 @@ class _GaussianFit:
                 eps = torch.randn(
                     self.num_draws, dim, generator=self.gen, dtype=self.shift.dtype
                 ).to(self.shift.device)
-                white = eps * self.log_diag.exp()
-                if self.dense:
-                    white = white + eps @ self.lower.tril(-1).T
-                w = self.shift + white
-                u = self.start.unwhiten(w)
-                lp, grad = self.score(u.detach())
-                if not torch.isfinite(lp.mean() + self.log_diag.sum()):
-                    raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
-                # the reparameterised gradient of -ELBO: the model's score, passed back
-                # through u = m + L(a + B e), and the exact Gaussian entropy's, or (stl)
-                # minus q's score at w, -B^{-T} e, passed back the same way
-                if self.estimator == "stl":
-                    surrogate = (w * self._whitened_score(eps)).sum(-1).mean()
-                else:
-                    surrogate = -self.log_diag.sum()
-                surrogate = surrogate - (u * grad).sum(-1).mean()
                 self.opt.zero_grad()
-                surrogate.backward()
+                self.surrogate(eps).backward()
                 self.opt.step()
                 self.steps += 1
                 if (step + 1) % check_every == 0 or step + 1 == num_steps:
@@ -943,6 +931,27 @@ class _GaussianFit:
             self.steps = steps
             raise
         return sum(elbos) / len(elbos)
+
+    def surrogate(self, eps):
+        """A scalar whose gradient is the estimate of -ELBO's gradient from the draws
+        ``eps`` ``(N, D)``; raises :class:`ValueError` where the model's log-density is not
+        finite there."""
+        white = eps * self.log_diag.exp()
+        if self.dense:
+            white = white + eps @ self.lower.tril(-1).T
+        w = self.shift + white
+        u = self.start.unwhiten(w)
+        lp, grad = self.score(u.detach())
+        if not torch.isfinite(lp.mean() + self.log_diag.sum()):
+            raise ValueError("the Gaussian variational fit reached a non-finite ELBO")
+        # the reparameterised gradient of -ELBO: the model's score, passed back through
+        # u = m + L(a + B e), and the exact Gaussian entropy's, or (stl) minus q's score
+        # at w, -B^{-T} e, passed back the same way
+        if self.estimator == "stl":
+            entropy_part = (w * self._whitened_score(eps)).sum(-1).mean()
+        else:
+            entropy_part = -self.log_diag.sum()
+        return entropy_part - (u * grad).sum(-1).mean()
 
     def _whitened_score(self, eps):
         r"""q's score at ``w = a + B e`` in the fit's coordinates, :math:`-B^{-\top} e` per
@@ -990,7 +999,7 @@ def find_preconditioner(
     vi_tol=0.05,
     vi_draws=16,
     vi_lr=0.05,
-    vi_estimator="entropy",
+    vi_estimator="stl",
     seed=0,
     compile="fx",
 ):
@@ -1036,6 +1045,7 @@ def find_preconditioner(
     import time
 
     start_time = time.perf_counter()
+    _check_vi_estimator(vi_estimator)  # before the search: its fits' errors are caught
     kwargs = kwargs or {}
     dim = space.latent_dim
     dense = dim <= DENSE_LIMIT if dense is None else bool(dense)

@@ -23,6 +23,7 @@ from pyro_implicit.latent import (
     LatentSpace,
     Preconditioner,
     PreconditionerWarning,
+    _GaussianFit,
     find_preconditioner,
 )
 from pyro_implicit.targets.conjugate import linear_regression
@@ -282,6 +283,47 @@ def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises():
     one_round = find_preconditioner(space, init, (), vi_steps=20, vi_lr=0.02, vi_max_steps=40)
     assert one_round.diagnostics["gaussian_vi_steps"] == 20  # one decayed round
     assert one_round.scale_tril.item() < 0.3
+
+
+def _exact_gaussian_fit(estimator, dense_factor):
+    """A Gaussian fit on the raw-scale regression set to its exact posterior: from a
+    diagonal start, with ``B = L0^{-1} chol(cov)`` (``dense_factor``) or, from the exact
+    Cholesky start, ``B = I``."""
+    model, args, mean, cov = raw_blr()
+    space, _ = space_of(model, args)
+    chol = torch.linalg.cholesky(cov)
+    l0 = torch.diag(cov.diagonal().sqrt()) if dense_factor else chol
+    start = Preconditioner(mean, scale_tril=l0)
+    eps = torch.randn(8, mean.shape[-1])
+    fit = _GaussianFit(space, start, args, {}, 8, 0.05, 0, eps, estimator=estimator)
+    b = torch.linalg.solve_triangular(l0, chol, upper=False)
+    with torch.no_grad():
+        fit.log_diag.copy_(b.diagonal().log())
+        fit.lower.copy_(b.tril(-1))
+    return fit, eps
+
+
+@pytest.mark.parametrize("dense_factor", [False, True])
+def test_the_stl_gradient_vanishes_at_the_exact_gaussian_posterior(dense_factor):
+    # Roeder et al. (2017): at q = p the path derivative of log p - log q is zero for
+    # every draw; the exact-entropy estimator's is zero only in expectation
+    grads = {}
+    for estimator in ("stl", "entropy"):
+        fit, eps = _exact_gaussian_fit(estimator, dense_factor)
+        fit.surrogate(eps).backward()
+        grads[estimator] = torch.cat([p.grad.reshape(-1) for p in fit.params])
+    assert grads["stl"].abs().max() < 1e-8
+    assert grads["entropy"].abs().max() > 0.1
+
+
+def test_the_stl_fit_finds_the_best_gaussian_of_a_non_gaussian_target():
+    space, init = space_of(_quartic, ())
+    pre = find_preconditioner(space, init, (), vi_estimator="stl")
+    assert pre.source == "gaussian_vi"
+    assert abs(pre.loc.item()) < 0.05
+    assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
+    with pytest.raises(ValueError, match="'entropy' or 'stl'"):
+        find_preconditioner(space, init, (), vi_estimator="score")
 
 
 def test_the_search_scores_by_a_traced_graph_with_the_eager_results(monkeypatch):
