@@ -846,7 +846,7 @@ class _GaussianFit:
     Adam on the reparameterised ELBO. ``estimator="entropy"``: the model's term by its path
     derivative, the exact Gaussian entropy's gradient added; ``"stl"``: the path derivative
     of :math:`\log\tilde p - \log q` with q's parameters held in :math:`\log q`
-    ("sticking the landing", Roeder, Wu & Duvenaud 2017, eq. 8): the same expectation,
+    ("sticking the landing", Roeder, Wu & Duvenaud 2017): the same expectation,
     with q's own score as a control variate, so its noise vanishes where q matches the
     posterior. It runs in rounds (:meth:`run`) that resume one optimiser, so that
     :func:`find_preconditioner` can go on while the fit still improves and stop when it
