@@ -959,9 +959,14 @@ class _GaussianFit:
         with torch.no_grad():
             if not self.dense:
                 return -eps / self.log_diag.exp()
-            b = self.lower.tril(-1) + torch.diag(self.log_diag.exp())
             # rows x with x^T = e^T B^{-1}, i.e. x = B^{-T} e
-            return -torch.linalg.solve_triangular(b, eps, upper=False, left=False)
+            return -torch.linalg.solve_triangular(
+                self._dense_factor(), eps, upper=False, left=False
+            )
+
+    def _dense_factor(self):
+        """The fit's lower-triangular ``B`` (dense fits)."""
+        return self.lower.tril(-1) + torch.diag(self.log_diag.exp())
 
     def elbo(self):
         """The ELBO of the current fit on the check draws (common to every fit)."""
@@ -973,8 +978,9 @@ class _GaussianFit:
         with torch.no_grad():
             loc = start.unwhiten(self.shift)
             if self.dense:
-                b = self.lower.tril(-1) + torch.diag(self.log_diag.exp())
-                return Preconditioner(loc, scale_tril=start.scale_tril @ b, source="gaussian_vi")
+                return Preconditioner(
+                    loc, scale_tril=start.scale_tril @ self._dense_factor(), source="gaussian_vi"
+                )
             if start.kind == "dense":  # L diag(s) is lower triangular too
                 return Preconditioner(
                     loc, scale_tril=start.scale_tril * self.log_diag.exp(), source="gaussian_vi"

@@ -906,10 +906,7 @@ def _fit_contrast(q, kind):
             # shrunk all the way to its diagonal (d >= n): the same Gaussian without a
             # d x d factor (a BNN's D = 753 cost 0.3 s per step that way)
             var = centred.pow(2).sum(0) / (n - 1)
-            sd = (var + 1e-10 * var.mean()).sqrt()
-            return torch.distributions.Independent(
-                torch.distributions.Normal(loc, sd, validate_args=False), 1, validate_args=False
-            )
+            return _diagonal_gaussian(loc, (var + 1e-10 * var.mean()).sqrt())
         return _dense_gaussian(loc, centred, n - 1, 1e-10, q.std(0), shrink)
     return _diagonal_gaussian(loc, q.std(0).clamp(min=1e-12))
 
