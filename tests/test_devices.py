@@ -94,8 +94,9 @@ def test_particles_step_on_the_data_device(device, function_space):
     _check_draws(Predictive(model, posterior_samples=particles, return_sites=["f"])(x), device)
 
 
+@pytest.mark.parametrize("vi_estimator", ["entropy", "stl"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_preconditioner_search_fits_on_the_data_device(device):
+def test_preconditioner_search_fits_on_the_data_device(device, vi_estimator):
     # the Laplace of log p(u) = -u^2/2 - u^4 fails its importance check, so the Gaussian
     # fit must run where the data are: its parameters once stayed on the CPU beside a
     # CUDA start, every fit raised, and the failed Laplace was kept
@@ -108,7 +109,7 @@ def test_preconditioner_search_fits_on_the_data_device(device):
         pyro.factor("quartic", -(u**4) + x.sum())
 
     space = LatentSpace.from_model(quartic, (x,))
-    pre = find_preconditioner(space, space.init_loc, (x,))
+    pre = find_preconditioner(space, space.init_loc, (x,), vi_estimator=vi_estimator)
     assert pre.source == "gaussian_vi"
     assert pre.loc.device.type == device
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)  # the best Gaussian's sd
