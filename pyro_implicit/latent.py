@@ -1269,10 +1269,13 @@ def check_precondition(precondition, latent_dim=None):
         )
 
 
-def resolve_precondition(precondition, space, init_loc, args, kwargs, dense=None):
+def resolve_precondition(
+    precondition, space, init_loc, args, kwargs, dense=None, vi_estimator="entropy"
+):
     """The :class:`Preconditioner` that a method's ``precondition`` argument asks for:
-    ``True`` (find it, :func:`find_preconditioner`), ``False``/``None`` (identity), or a
-    :class:`Preconditioner` given by the user (checked against the space's size)."""
+    ``True`` (find it, :func:`find_preconditioner` with ``dense`` and ``vi_estimator``),
+    ``False``/``None`` (identity), or a :class:`Preconditioner` given by the user (checked
+    against the space's size)."""
     check_precondition(precondition, space.latent_dim)
     if precondition is None or precondition is False:
         return Preconditioner.identity()
@@ -1291,4 +1294,6 @@ def resolve_precondition(precondition, space, init_loc, args, kwargs, dense=None
     # the search differentiates the model even when a guide is first called under
     # torch.no_grad() (e.g. by Predictive)
     with torch.enable_grad():
-        return find_preconditioner(space, init_loc, args, kwargs, dense=dense)
+        return find_preconditioner(
+            space, init_loc, args, kwargs, dense=dense, vi_estimator=vi_estimator
+        )

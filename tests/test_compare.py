@@ -120,6 +120,33 @@ def test_compare_is_reproducible_per_method(y, nuts):
     assert torch.equal(both.methods["kivi"].samples["mu"], alone.methods["implicit"].samples["mu"])
 
 
+def _quartic():
+    # log p(u) = -u^2/2 - u^4: its Laplace fails the importance check, so the search fits
+    # a Gaussian
+    u = pyro.sample("u", dist.Normal(0.0, 1.0))
+    pyro.factor("quartic", -(u**4))
+
+
+def test_each_method_gets_the_preconditioner_its_loss_asks_for():
+    """Where the search fits a Gaussian, compare searches once per estimator the methods
+    ask for and gives each method its own: kivi the STL fit, stein_score and wsvgd the
+    exact-entropy one, as each would find alone."""
+    from pyro_implicit.latent import LatentSpace, find_preconditioner
+
+    space = LatentSpace.from_model(_quartic, (), {}, 0)
+    found = {
+        e: find_preconditioner(space, space.init_loc, (), vi_estimator=e)
+        for e in ("entropy", "stl")
+    }
+    kw = dict(num_steps=2, num_samples=20, nuts=False, max_plate_nesting=0, progress=False)
+    result = compare(_quartic, methods=["kivi", "stein_score", "wsvgd"], **kw)
+    assert sorted(result.settings["preconditioner"]) == ["entropy", "stl"]
+    for name, estimator in [("kivi", "stl"), ("stein_score", "entropy"), ("wsvgd", "entropy")]:
+        pre = preconditioner_of(result.methods[name].approximation)
+        assert torch.equal(pre.scale_tril, found[estimator].scale_tril), name
+    assert not torch.equal(found["entropy"].scale_tril, found["stl"].scale_tril)
+
+
 def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     """The model's preconditioner is searched once, not once per method (and again for
     the KSD's coordinates), and every method of the library gets it: here the exact
@@ -137,9 +164,12 @@ def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     names = ["kivi", "sivi", "wsvgd", "autonormal"]
     kw = dict(num_steps=3, num_samples=50, nuts=nuts, max_plate_nesting=1, progress=False)
     result = compare(normal_normal, y, methods=names, **kw)
+    # kivi and sivi ask for the STL Gaussian fit, wsvgd for the exact-entropy one, but the
+    # Laplace passes its check, so no fit runs and one search serves both
     assert len(searches) == 1
     search = result.settings["preconditioner"]
-    assert search["source"] == "laplace" and search["seconds"] > 0
+    assert search["stl"] is search["entropy"]
+    assert search["entropy"]["source"] == "laplace" and search["entropy"]["seconds"] > 0
     for name in ["kivi", "sivi", "wsvgd"]:
         pre = preconditioner_of(result.methods[name].approximation)
         assert torch.allclose(pre.loc, y.sum() / 11 * torch.ones(1), atol=1e-6), name

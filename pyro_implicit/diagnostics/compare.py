@@ -238,11 +238,14 @@ def compare(
 
     Every method is fitted from ``pyro.set_rng_seed(seed)`` on an empty parameter store,
     so its result does not depend on which other methods run. The model's preconditioner
-    is searched once and given to every method of the library (each would otherwise
-    repeat the same search). Wall times include the posterior draws and, for the
-    library's methods, that search's seconds, as a fit of the method alone would pay;
-    their peak memory does not include the search's, which ``settings["preconditioner"]``
-    records (source, kind, seconds, peak MB).
+    is searched once per Gaussian-fit estimator the methods ask for (their losses'
+    :attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`; once in
+    all where the Laplace passes its check and no fit runs) and given to every method of
+    the library that asks for it (each would otherwise repeat the same search). Wall
+    times include the posterior draws and, for the library's methods, their search's
+    seconds, as a fit of the method alone would pay; their peak memory does not include
+    the search's, which ``settings["preconditioner"]`` records (``{estimator: {source,
+    kind, seconds, peak_mb}}``).
     The model must be vectorisation-safe (all methods draw their particles under a
     plate) and have continuous latent sites only.
 
@@ -270,7 +273,7 @@ def compare(
         ``None`` for each method's default (:data:`METHODS`).
     :param precondition: ``True`` (default): fit the library's methods in the coordinates
         of the model's automatic preconditioner (:mod:`pyro_implicit.latent`), found once
-        and shared; ``False``: in the raw unconstrained space, as the papers do; or a
+        per estimator and shared; ``False``: in the raw unconstrained space, as the papers do; or a
         :class:`~pyro_implicit.latent.Preconditioner` of one's own, given to every
         method. Pyro's own guides and ``pyro.infer.SVGD`` are unaffected.
     :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
@@ -396,8 +399,7 @@ def compare(
                     lrs[label],
                     mpn,
                     progress,
-                    # a copy each: a guide keeps its last draw on its preconditioner
-                    precondition=_own_copy(shared),
+                    precondition=_method_precondition(shared, method),
                     trace=trace,
                 )
                 samples, kind = posterior_draws(
@@ -410,7 +412,7 @@ def compare(
                 failure = f"diverged at step {len(trace) + 1}: {str(e).splitlines()[0]}"
             wall = time.perf_counter() - start
         if method.preconditioned and search is not None:
-            wall += search["seconds"]
+            wall += search[method.vi_estimator]["seconds"]
         results[label] = MethodResult(
             label,
             samples,
@@ -514,10 +516,12 @@ def _short(value):
 
 
 def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress):
-    """``(precondition, record)``: what every method of the library is built with, and
-    a record of its search (``None`` where none ran). ``precondition=True`` becomes the
-    model's preconditioner, found here once (when a method of the library is to be
-    fitted) instead of once per method; ``False`` and a given
+    """``(precondition, record)``: what the methods of the library are built with, and a
+    record of the search (``None`` where none ran). ``precondition=True`` becomes the
+    model's preconditioners, found here once per Gaussian-fit estimator the methods ask
+    for (:attr:`~pyro_implicit.diagnostics.methods.Method.vi_estimator`) instead of once
+    per method, as ``{estimator: Preconditioner}``, and the record ``{estimator: {source,
+    kind, seconds, peak_mb}}``; ``False`` and a given
     :class:`~pyro_implicit.latent.Preconditioner` pass through."""
     # checked here, before NUTS runs, not by the first fit after it
     given = isinstance(precondition, Preconditioner)
@@ -525,27 +529,54 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
     check_precondition(precondition, dim)
     if precondition is not True:
         return precondition, None
-    if not any(isinstance(s, str) and METHODS[s].preconditioned for s in specs.values()):
-        return precondition, None
-    with PeakMemory() as memory:
-        start = time.perf_counter()
-        found = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
-        seconds = time.perf_counter() - start
-    what = "none found" if found.is_identity else f"{found.source}, {found.kind}"
-    _say(progress, f"preconditioner ({what}): {seconds:.1f} s, shared by the library's methods")
-    record = {"source": found.source, "kind": found.kind, "seconds": seconds}
-    return found, dict(record, peak_mb=memory.peak_mb)
+    wanted = [METHODS[s] for s in specs.values() if isinstance(s, str)]
+    estimators = sorted({m.vi_estimator for m in wanted if m.preconditioned})
+    found, record = {}, {}
+    for estimator in estimators:
+        reused = next(iter(found.values()), None)
+        if reused is not None and not _ran_gaussian_fit(reused):
+            # the Laplace passed its check: no Gaussian fit ran, so the other estimator's
+            # search (deterministic given its seed) would find the same preconditioner
+            found[estimator], record[estimator] = reused, next(iter(record.values()))
+            continue
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            pre = model_preconditioner(
+                model, *args, max_plate_nesting=mpn, vi_estimator=estimator, **kwargs
+            )
+            seconds = time.perf_counter() - start
+        what = "none found" if pre.is_identity else f"{pre.source}, {pre.kind}"
+        _say(progress, f"preconditioner ({what}, Gaussian fit by {estimator}): {seconds:.1f} s")
+        found[estimator] = pre
+        record[estimator] = {
+            "source": pre.source,
+            "kind": pre.kind,
+            "seconds": seconds,
+            "peak_mb": memory.peak_mb,
+        }
+    return (found, record) if found else (precondition, None)
 
 
-def _own_copy(precondition):
-    return copy.deepcopy(precondition) if isinstance(precondition, Preconditioner) else precondition
+def _ran_gaussian_fit(pre):
+    return any(k.startswith("gaussian_vi") for k in (getattr(pre, "diagnostics", None) or {}))
+
+
+def _method_precondition(shared, method):
+    """What ``method`` is built with: its estimator's preconditioner (a copy: a guide keeps
+    its last draw on its preconditioner), or ``shared`` itself when it is not a dict."""
+    if isinstance(shared, dict):
+        shared = shared.get(method.vi_estimator, True)
+    return copy.deepcopy(shared) if isinstance(shared, Preconditioner) else shared
 
 
 def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed, shared=None):
     """Fill each row's ``ksd`` and ``k_hat`` (module docstring); return NUTS's KSD. The
-    KSD's coordinates are ``shared`` (the preconditioner the fits used), if it is one."""
+    KSD's coordinates are ``shared`` (the preconditioner the fits used; of several, the
+    exact-entropy fit's), if there is one."""
     rng = pyro.util.get_rng_state()
     try:
+        if isinstance(shared, dict):
+            shared = shared.get("entropy", next(iter(shared.values())))
         if isinstance(shared, Preconditioner):
             coordinates = shared
         else:

@@ -105,6 +105,16 @@ class Method:
     settings: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     preconditioned: bool = True
 
+    @property
+    def vi_estimator(self):
+        """The gradient estimate of its automatic preconditioner's Gaussian fit: its
+        loss's :attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`
+        (``"entropy"`` for particle methods)."""
+        from .. import elbo
+
+        loss = getattr(elbo, self.loss, None) if self.loss else None
+        return getattr(loss, "preconditioner_vi_estimator", "entropy")
+
 
 def _build_implicit(model, mpn, precondition=True):
     loss = KernelRatioELBO(max_plate_nesting=mpn)

@@ -161,18 +161,20 @@ def _draws_in_latent_space(model, source, args, kwargs, num_samples, max_plate_n
     return space, space.pack(draws), Preconditioner.identity()
 
 
-def model_preconditioner(model, *args, max_plate_nesting=None, **kwargs):
+def model_preconditioner(model, *args, max_plate_nesting=None, vi_estimator="entropy", **kwargs):
     """The model's automatic preconditioner (:func:`~pyro_implicit.latent.find_preconditioner`
-    from the prior medians: the one every method of the library finds), to pass as
-    ``preconditioner`` to several :func:`stein_discrepancy` calls so that their values are
-    comparable.
+    from the prior medians, its Gaussian fit by ``vi_estimator``: the one the methods of
+    the library find), to pass as ``preconditioner`` to several :func:`stein_discrepancy`
+    calls so that their values are comparable.
 
     :rtype: ~pyro_implicit.latent.Preconditioner
     """
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
     space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
-    return resolve_precondition(True, space, space.init_loc, args, kwargs)
+    return resolve_precondition(
+        True, space, space.init_loc, args, kwargs, vi_estimator=vi_estimator
+    )
 
 
 @torch.no_grad()

@@ -60,6 +60,9 @@ class AmortizedSVGD_ELBO(_FunctionalGradientELBO):
         "sampler: ImplicitGuide, SemiImplicitGuide or LinearizedGuide."
     )
 
+    # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
+    preconditioner_vi_estimator = "stl"
+
     def _check_packed_guide(self, guide, model_trace):
         if not isinstance(guide, ImplicitAutoGuide):
             raise PairingError(

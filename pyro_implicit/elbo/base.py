@@ -37,7 +37,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 
 from ..contract import SAMPLE, check_guide_site
 from ..errors import DivergenceError, VectorizationError
-from ..guides.base import implicit_site_info, requested_parametrization
+from ..guides.base import implicit_site_info, requested_by_loss
 from ..latent import LatentSpace
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
@@ -346,13 +346,28 @@ class ImplicitELBO(ELBO):
 
     #: what a guide of this library built during this loss's step (its first call) is
     #: asked to use for ``parametrization="auto"`` (``None``: the guide's own default,
-    #: standard layers); see :func:`~pyro_implicit.guides.base.requested_parametrization`
+    #: standard layers); see :func:`~pyro_implicit.guides.base.requested_by_loss`
     guide_parametrization = None
+
+    #: the gradient estimate of the Gaussian fit in the automatic preconditioner's
+    #: search (:func:`~pyro_implicit.latent.find_preconditioner`'s ``vi_estimator``) of a
+    #: guide with ``precondition=True`` built during this loss's step: ``"entropy"``
+    #: here; ``"stl"`` for the losses whose fit goes on improving from the better
+    #: Gaussian it finds (``KernelRatioELBO``, ``SIVI_ELBO``, ``LIVI_ELBO``, ``GPVI_ELBO``,
+    #: ``AmortizedSVGD_ELBO``: nearer NUTS on stochastic volatility at the stiff
+    #: benchmark's seeds 0-2 and again at the held-out seeds 3-4,
+    #: ``benchmarks/results/stiff_loss_start.md``). Set it on a loss to choose.
+    preconditioner_vi_estimator = "entropy"
+
+    def _requests(self):
+        """What this loss asks of a guide built during its step
+        (:func:`~pyro_implicit.guides.base.requested_by_loss`)."""
+        return requested_by_loss(self.guide_parametrization, self.preconditioner_vi_estimator)
 
     def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""
-        with requested_parametrization(self.guide_parametrization):
+        with self._requests():
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss)
         self._num_evaluations += 1

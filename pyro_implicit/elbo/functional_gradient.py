@@ -7,7 +7,7 @@ import torch
 
 from ..compiled import BACKENDS
 from ..errors import PairingError
-from ..guides.base import implicit_site_info, requested_parametrization
+from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, svgd_bandwidth_factor
 from ..latent import LatentSpace, preconditioner_of
 from .base import ImplicitELBO, implicit_guide_sites, packed_particles
@@ -101,7 +101,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
         r"""The monitoring value :math:`-\frac1N\sum_a \log\tilde p(u'_a)` (see the class
         docstring) on a fresh batch; no helper update, no gradient."""
         # a guide built by this call gets the layers this loss asks for, as in a step
-        with torch.no_grad(), requested_parametrization(self.guide_parametrization):
+        with torch.no_grad(), self._requests():
             model_trace, guide_trace = self._traces(model, guide, args, kwargs)
             self._implicit_site(model_trace, guide_trace)
             loss = -self._log_target(model_trace, guide_trace).mean()

@@ -199,6 +199,9 @@ class GPVI_ELBO(_FunctionalGradientELBO):
     # ones stop that, ntk a little closer (see the class docstring)
     guide_parametrization = "ntk"
 
+    # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
+    preconditioner_vi_estimator = "stl"
+
     pairing_hint = (
         "GPVI_ELBO needs an ImplicitGuide whose generator maps D noise values to the D "
         "latents with an invertible Jacobian: ImplicitGuide(model, "

@@ -320,6 +320,9 @@ class KernelRatioELBO(ImplicitELBO):
     # (benchmarks/results/kivi_parametrization.md)
     guide_parametrization = "scaled"
 
+    # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
+    preconditioner_vi_estimator = "stl"
+
     def __init__(
         self,
         num_particles=100,

@@ -426,6 +426,9 @@ class LIVI_ELBO(ImplicitELBO):
     # benchmarks/results/livi_parametrization.md)
     guide_parametrization = "ntk"
 
+    # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
+    preconditioner_vi_estimator = "stl"
+
     def __init__(
         self,
         num_particles=8,

@@ -222,6 +222,9 @@ class SIVI_ELBO(ImplicitELBO):
     #: smallest LinearizedGuide output noise (whitened units) the mixture estimate can use
     min_linearized_sigma = 0.1
 
+    # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
+    preconditioner_vi_estimator = "stl"
+
     def _check_guide(self, guide_trace):
         super()._check_guide(guide_trace)
         for site in implicit_guide_sites(guide_trace):

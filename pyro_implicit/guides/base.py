@@ -44,21 +44,25 @@ PARAMETRIZATIONS = ("auto", "standard", "scaled", "ntk")
 _LAYERS = {"standard": (False, 0.0), "scaled": (True, 1.0), "ntk": ("ntk", 2.0)}
 
 # what the loss now running a guide asks of a guide built during its step (see
-# :func:`requested_parametrization`)
-_REQUESTED_PARAMETRIZATION = contextvars.ContextVar("requested_parametrization", default=None)
+# :func:`requested_by_loss`)
+_REQUEST = contextvars.ContextVar("guide_request", default=(None, "entropy"))
 
 
 @contextlib.contextmanager
-def requested_parametrization(value):
-    """Within the block, a guide with ``parametrization="auto"`` that builds its sampler
-    (its first call) and has a preconditioner uses ``value`` (``"standard"``,
-    ``"scaled"``, ``"ntk"`` or ``None``: the guide's own default). The losses run their steps inside
-    it with their :attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization`."""
-    token = _REQUESTED_PARAMETRIZATION.set(value)
+def requested_by_loss(parametrization=None, vi_estimator="entropy"):
+    """Within the block, a guide of this library that builds its sampler (its first call)
+    takes what the loss running it asks for: with ``parametrization="auto"`` and a
+    preconditioner, the layers ``parametrization`` (``"standard"``, ``"scaled"``,
+    ``"ntk"`` or ``None``: the guide's own default); with ``precondition=True``, the
+    automatic preconditioner's Gaussian fit by ``vi_estimator``
+    (:func:`~pyro_implicit.latent.find_preconditioner`). The losses run their steps inside
+    it with their :attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization` and
+    :attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`."""
+    token = _REQUEST.set((parametrization, vi_estimator))
     try:
         yield
     finally:
-        _REQUESTED_PARAMETRIZATION.reset(token)
+        _REQUEST.reset(token)
 
 
 _LOSSES_HINT = (
@@ -137,8 +141,11 @@ class ImplicitAutoGuide(AutoContinuous):
         unconstrained units without one (default 0.1, the papers' choice).
     :param precondition: ``True`` (default): find the preconditioner automatically
         (:func:`~pyro_implicit.latent.find_preconditioner`; dense up to 2000 latent
-        coordinates, diagonal beyond); ``False``: none, the papers' raw unconstrained
-        coordinates; or a :class:`~pyro_implicit.latent.Preconditioner` of one's own.
+        coordinates, diagonal beyond; its Gaussian fit, where one runs, by the gradient
+        estimate the loss that first runs the guide asks for,
+        :attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`);
+        ``False``: none, the papers' raw unconstrained coordinates; or a
+        :class:`~pyro_implicit.latent.Preconditioner` of one's own.
     :param int num_quantile_samples: number of draws behind :meth:`median` and
         :meth:`quantiles`.
     :param str parametrization: how the default MLP stores its weights: ``"standard"``
@@ -293,7 +300,7 @@ class ImplicitAutoGuide(AutoContinuous):
             return "scaled" if any(k.endswith("raw_weight") for k in weights) else "standard"
         # auto: what the loss building the guide asks for, in whitened coordinates only
         # (the papers' raw-space generators stay as published)
-        requested = _REQUESTED_PARAMETRIZATION.get()
+        requested = _REQUEST.get()[0]
         return requested if self.whitened and requested in ("scaled", "ntk") else "standard"
 
     def _check_saved_layers(self, code):
@@ -340,6 +347,7 @@ class ImplicitAutoGuide(AutoContinuous):
                     args,
                     kwargs,
                     dense=dense,
+                    vi_estimator=_REQUEST.get()[1],
                 )
         return found.diagonal() if dense is False else found
 
