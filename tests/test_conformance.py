@@ -461,17 +461,19 @@ def searched_once(monkeypatch):
     a found preconditioner is stored and restored, not the search."""
     search = guides_base.resolve_precondition
 
-    def memoised(precondition, space, init_loc, args, kwargs, dense=None):
+    def memoised(precondition, space, init_loc, args, kwargs, dense=None, vi_estimator="entropy"):
+        options = dict(dense=dense, vi_estimator=vi_estimator)
         if precondition is not True:
-            return search(precondition, space, init_loc, args, kwargs, dense=dense)
+            return search(precondition, space, init_loc, args, kwargs, **options)
         key = (
             space.latent_dim,
             dense,
+            vi_estimator,
             init_loc.numpy().tobytes(),
             tuple(a.numpy().tobytes() for a in args),
         )
         if key not in _SEARCHED:
-            _SEARCHED[key] = search(precondition, space, init_loc, args, kwargs, dense=dense)
+            _SEARCHED[key] = search(precondition, space, init_loc, args, kwargs, **options)
         return copy.deepcopy(_SEARCHED[key])
 
     monkeypatch.setattr(guides_base, "resolve_precondition", memoised)
