@@ -1049,10 +1049,12 @@ def find_preconditioner(
         ELBO is flat: on the stiff benchmark's stochastic volatility 0.23-0.24 NUTS sds off
         against 0.33-0.38 with 16 draws per step, at an ELBO nearer the optimum
         (``benchmarks/results/preconditioner_stl.md``), and from it ``kivi``, ``sivi``,
-        ``livi``, ``gpvi`` and ``asvgd`` end nearer NUTS there (seed means 0.22-0.27
-        against 0.24-0.33), but ``stein_score`` and ``wsvgd`` further (0.31 and 0.29
-        against 0.21), and over the eight posteriors the benchmark's headline goals did
-        not improve (``benchmarks/results/stiff_stl.md``), so it is not the default.
+        ``livi``, ``gpvi`` and ``asvgd`` end nearer NUTS there, but ``stein_score`` and
+        ``wsvgd`` further (``benchmarks/results/stiff_stl.md``, and at held-out seeds
+        ``benchmarks/results/stiff_loss_start.md``). So a guide's automatic search takes
+        the estimator its loss asks for
+        (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`);
+        this function's default stays ``"entropy"``.
     :param compile: ``"fx"`` (default): the MAP search and the Gaussian fits score the
         model with traced graphs (:class:`~pyro_implicit.compiled.CompiledLogDensity`, one
         per batch size; the same values to float rounding, and the eager run wherever a
