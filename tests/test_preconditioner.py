@@ -358,6 +358,31 @@ def test_the_stl_gradient_vanishes_at_the_exact_gaussian_posterior(dense_factor)
     assert grads["entropy"].abs().max() > 0.1
 
 
+def test_the_stl_gradient_vanishes_at_an_exact_diagonal_posterior():
+    # the diagonal fit (a diagonal start, as beyond the dense limit): independent
+    # N(loc_i, scale_i^2) latents, q started twice too wide and set to the posterior by
+    # its scales' logs; q's score is then -e / s, the branch without a dense factor
+    loc = torch.tensor([1.0, -2.0, 30.0])
+    scale = torch.tensor([0.01, 1.0, 100.0])
+
+    def model():
+        pyro.sample("u", dist.Normal(loc, scale).to_event(1))
+
+    space, _ = space_of(model, ())
+    start = Preconditioner(loc, scale=2 * scale)
+    eps = torch.randn(8, 3)
+    grads = {}
+    for estimator in ("stl", "entropy"):
+        fit = _GaussianFit(space, start, (), {}, 8, 0.05, 0, eps, estimator=estimator)
+        assert not fit.dense
+        with torch.no_grad():
+            fit.log_diag.fill_(math.log(0.5))
+        fit.surrogate(eps).backward()
+        grads[estimator] = torch.cat([p.grad.reshape(-1) for p in fit.params])
+    assert grads["stl"].abs().max() < 1e-8
+    assert grads["entropy"].abs().max() > 0.1
+
+
 def test_the_stl_fit_finds_the_best_gaussian_of_a_non_gaussian_target():
     space, init = space_of(_quartic, ())
     pre = find_preconditioner(space, init, (), vi_estimator="stl")
