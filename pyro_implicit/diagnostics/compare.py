@@ -273,8 +273,8 @@ def compare(
         ``None`` for each method's default (:data:`METHODS`).
     :param precondition: ``True`` (default): fit the library's methods in the coordinates
         of the model's automatic preconditioner (:mod:`pyro_implicit.latent`), found once
-        per estimator and shared; ``False``: in the raw unconstrained space, as the papers do; or a
-        :class:`~pyro_implicit.latent.Preconditioner` of one's own, given to every
+        per estimator and shared; ``False``: in the raw unconstrained space, as the papers
+        do; or a :class:`~pyro_implicit.latent.Preconditioner` of one's own, given to every
         method. Pyro's own guides and ``pyro.infer.SVGD`` are unaffected.
     :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
         Stein discrepancy of its draws (:func:`~pyro_implicit.diagnostics.stein_discrepancy`,

@@ -250,8 +250,9 @@ class SteinScoreELBO(KernelRatioELBO):
 
     # the exact-entropy Gaussian fit, not KernelRatioELBO's STL one: from the STL start
     # this loss ended further from NUTS on stochastic volatility (0.31 against 0.21 NUTS
-    # sds, seeds 0-2; 0.36 against 0.30 at the held-out seed 3): its own stationary point
-    # there is off and drifts with training (benchmarks/results/stiff_stl.md)
+    # sds at seeds 0-2, 0.35 against 0.27 at the held-out seeds 3-4): its own stationary
+    # point there is off and drifts with training (benchmarks/results/stiff_stl.md,
+    # stiff_loss_start.md)
     preconditioner_vi_estimator = "entropy"
 
     def __init__(
