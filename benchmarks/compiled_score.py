@@ -187,9 +187,12 @@ def _loss_pair(model, mpn, name, particles):
     else:
         method, backend = name.split("-")
         compile = False if backend == "eager" else backend
-        if method == "livi":
+        if method in ("livi", "livisvd"):
             guide = LinearizedGuide(model)
-            loss = LIVI_ELBO(num_particles=particles, max_plate_nesting=mpn, compile=compile)
+            bound = "svd" if method == "livisvd" else "det"
+            loss = LIVI_ELBO(
+                num_particles=particles, bound=bound, max_plate_nesting=mpn, compile=compile
+            )
         elif method == "sivi":
             guide = SemiImplicitGuide(model)
             loss = SIVI_ELBO(
@@ -269,7 +272,7 @@ def _recording_graphs():
 LOSSES = ("autonormal", "gpvi-eager", "gpvi-fx", "asvgd-eager", "asvgd-fx")
 
 #: ``--only-losses``: the implicit losses whose traced path skips the guide's trace too
-METHODS = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi")
+METHODS = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi", "livisvd")
 KERNEL_LOSSES = ("autonormal",) + tuple(
     f"{m}-{b}" for m in METHODS for b in ("eager", "fx", "inductor")
 )
@@ -370,7 +373,8 @@ def main_losses(args, command, commit):
         "ImplicitGuide + AmortizedSVGD_ELBO(), `gpvi` = ImplicitGuide(generator="
         "gpvi_generator()) + GPVI_ELBO() (not on the BNN: its helper network sets the pace), "
         "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100), `livi` = LinearizedGuide + "
-        "LIVI_ELBO(); "
+        "LIVI_ELBO() (`bound='det'`, whole Jacobians), `livisvd` = the same with "
+        "`bound='svd'` (LOBPCG, no whole Jacobian: the BNN setting); "
         "`-fx`: after the "
         "first step the guide is drawn directly and its draws scored by the traced graph "
         "(`compile='fx'`, the default); `-inductor`: that graph also compiled by "
