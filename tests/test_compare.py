@@ -120,26 +120,19 @@ def test_compare_is_reproducible_per_method(y, nuts):
     assert torch.equal(both.methods["kivi"].samples["mu"], alone.methods["implicit"].samples["mu"])
 
 
-def _quartic():
-    # log p(u) = -u^2/2 - u^4: its Laplace fails the importance check, so the search fits
-    # a Gaussian
-    u = pyro.sample("u", dist.Normal(0.0, 1.0))
-    pyro.factor("quartic", -(u**4))
-
-
-def test_each_method_gets_the_preconditioner_its_loss_asks_for():
+def test_each_method_gets_the_preconditioner_its_loss_asks_for(quartic_model):
     """Where the search fits a Gaussian, compare searches once per estimator the methods
     ask for and gives each method its own: kivi the STL fit, stein_score and wsvgd the
     exact-entropy one, as each would find alone."""
     from pyro_implicit.latent import LatentSpace, find_preconditioner
 
-    space = LatentSpace.from_model(_quartic, (), {}, 0)
+    space = LatentSpace.from_model(quartic_model, (), {}, 0)
     found = {
         e: find_preconditioner(space, space.init_loc, (), vi_estimator=e)
         for e in ("entropy", "stl")
     }
     kw = dict(num_steps=2, num_samples=20, nuts=False, max_plate_nesting=0, progress=False)
-    result = compare(_quartic, methods=["kivi", "stein_score", "wsvgd"], **kw)
+    result = compare(quartic_model, methods=["kivi", "stein_score", "wsvgd"], **kw)
     assert sorted(result.settings["preconditioner"]) == ["entropy", "stl"]
     for name, estimator in [("kivi", "stl"), ("stein_score", "entropy"), ("wsvgd", "entropy")]:
         pre = preconditioner_of(result.methods[name].approximation)

@@ -201,26 +201,16 @@ def test_a_diagonal_laplace_is_kept_without_the_importance_check(monkeypatch):
     assert torch.isfinite(pre.scale).all() and (pre.scale > 0).all()
 
 
-def test_non_gaussian_mode_is_refined_by_a_gaussian_fit():
+def test_non_gaussian_mode_is_refined_by_a_gaussian_fit(quartic_model):
     # log p(u) = -u^2/2 - u^4: the Laplace at the mode has sd 1, its importance weights
     # fail the check, and the Gaussian variational fit replaces it
-    def model():
-        u = pyro.sample("u", dist.Normal(0.0, 1.0))
-        pyro.factor("quartic", -(u**4))
-
-    space, init = space_of(model, ())
+    space, init = space_of(quartic_model, ())
     pre = find_preconditioner(space, init, ())
     assert pre.source == "gaussian_vi"
     assert pre.diagnostics["gaussian_vi_elbo"] > pre.diagnostics["laplace_elbo"]
     # the best Gaussian N(0, s^2): the ELBO -3 s^4 - s^2 / 2 + log s peaks at s = 1/2
     assert abs(pre.loc.item()) < 0.05
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
-
-
-def _quartic():
-    # log p(u) = -u^2/2 - u^4: its Laplace fails the importance check
-    u = pyro.sample("u", dist.Normal(0.0, 1.0))
-    pyro.factor("quartic", -(u**4))
 
 
 @pytest.mark.parametrize(
@@ -234,7 +224,9 @@ def _quartic():
         ("ImplicitGuide", "AmortizedSVGD_ELBO", "stl"),
     ],
 )
-def test_a_guide_fits_its_preconditioner_as_its_loss_asks(guide_name, loss_name, estimator):
+def test_a_guide_fits_its_preconditioner_as_its_loss_asks(
+    guide_name, loss_name, estimator, quartic_model
+):
     # the quartic's Laplace fails its check, so the search's Gaussian fit decides the
     # preconditioner: a guide built by a loss's step has the search's result with the
     # loss's estimator, and a guide first called outside any loss (draws before
@@ -243,7 +235,7 @@ def test_a_guide_fits_its_preconditioner_as_its_loss_asks(guide_name, loss_name,
     import pyro_implicit
     from pyro_implicit.guides import gpvi_generator
 
-    space, init = space_of(_quartic, ())
+    space, init = space_of(quartic_model, ())
     found = {e: find_preconditioner(space, init, (), vi_estimator=e) for e in ("entropy", "stl")}
     assert (found["entropy"].scale_tril - found["stl"].scale_tril).abs().item() > 3e-3
 
@@ -253,22 +245,22 @@ def test_a_guide_fits_its_preconditioner_as_its_loss_asks(guide_name, loss_name,
     def build():
         pyro.clear_param_store()
         if guide_name == "gpvi":
-            return ImplicitGuide(_quartic, generator=gpvi_generator())
-        return getattr(pyro_implicit, guide_name)(_quartic)
+            return ImplicitGuide(quartic_model, generator=gpvi_generator())
+        return getattr(pyro_implicit, guide_name)(quartic_model)
 
     guide = build()
     loss = getattr(pyro_implicit, loss_name)(num_particles=4)
-    SVI(_quartic, guide, pyro.optim.Adam({"lr": 1e-3}), loss).step()
+    SVI(quartic_model, guide, pyro.optim.Adam({"lr": 1e-3}), loss).step()
     check(guide.preconditioner, estimator)
     guide = build()
     guide()
     check(guide.preconditioner, "entropy")
 
 
-def test_a_laplace_kept_after_failed_fits_is_said(monkeypatch):
+def test_a_laplace_kept_after_failed_fits_is_said(monkeypatch, quartic_model):
     # the Laplace failed its check and both Gaussian fits raised (as CPU parameters
     # beside a CUDA start once made them): the search keeps the Laplace, and says so
-    space, init = space_of(_quartic, ())
+    space, init = space_of(quartic_model, ())
 
     def fail(*args, **kwargs):
         raise RuntimeError("Expected all tensors to be on the same device")
@@ -285,13 +277,13 @@ def test_a_laplace_kept_after_failed_fits_is_said(monkeypatch):
     assert pre.source == "laplace"
 
 
-def test_a_check_draw_the_model_refuses_fails_the_check(monkeypatch):
+def test_a_check_draw_the_model_refuses_fails_the_check(monkeypatch, quartic_model):
     # a wide Laplace along a log-scale overflows a draw's scale to inf, which the
     # model's validation refuses with a ValueError: the check fails and the Gaussian fit
     # runs, instead of the error ending the search
     import pyro_implicit.latent as latent
 
-    space, init = space_of(_quartic, ())
+    space, init = space_of(quartic_model, ())
     calls = []
     elbo_draws = latent._elbo_draws
 
@@ -308,16 +300,12 @@ def test_a_check_draw_the_model_refuses_fails_the_check(monkeypatch):
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
 
 
-def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises():
-    # the quartic target above at a slow rate, in rounds of 20 steps: one round alone
+def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises(quartic_model):
+    # the quartic target at a slow rate, in rounds of 20 steps: one round alone
     # (no room for more under vi_max_steps) leaves the fit far narrower than the best
     # Gaussian (sd 1/2); the rounds reach it, and stop long before the cap once a round
     # no longer raises the ELBO
-    def model():
-        u = pyro.sample("u", dist.Normal(0.0, 1.0))
-        pyro.factor("quartic", -(u**4))
-
-    space, init = space_of(model, ())
+    space, init = space_of(quartic_model, ())
     pre = find_preconditioner(space, init, (), vi_steps=20, vi_lr=0.02)
     assert pre.source == "gaussian_vi"
     assert pre.scale_tril.item() == pytest.approx(0.5, rel=0.1)
@@ -345,17 +333,22 @@ def _exact_gaussian_fit(estimator, dense_factor):
     return fit, eps
 
 
-@pytest.mark.parametrize("dense_factor", [False, True])
-def test_the_stl_gradient_vanishes_at_the_exact_gaussian_posterior(dense_factor):
-    # Roeder et al. (2017): at q = p the path derivative of log p - log q is zero for
-    # every draw; the exact-entropy estimator's is zero only in expectation
+def _check_stl_gradient_vanishes(exact_fit):
+    """Roeder et al. (2017): at q = p the path derivative of log p - log q is zero for
+    every draw; the exact-entropy estimator's is zero only in expectation.
+    ``exact_fit(estimator)`` gives ``(fit, eps)``, the fit set to the exact posterior."""
     grads = {}
     for estimator in ("stl", "entropy"):
-        fit, eps = _exact_gaussian_fit(estimator, dense_factor)
+        fit, eps = exact_fit(estimator)
         fit.surrogate(eps).backward()
         grads[estimator] = torch.cat([p.grad.reshape(-1) for p in fit.params])
     assert grads["stl"].abs().max() < 1e-8
     assert grads["entropy"].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dense_factor", [False, True])
+def test_the_stl_gradient_vanishes_at_the_exact_gaussian_posterior(dense_factor):
+    _check_stl_gradient_vanishes(lambda estimator: _exact_gaussian_fit(estimator, dense_factor))
 
 
 def test_the_stl_gradient_vanishes_at_an_exact_diagonal_posterior():
@@ -371,20 +364,19 @@ def test_the_stl_gradient_vanishes_at_an_exact_diagonal_posterior():
     space, _ = space_of(model, ())
     start = Preconditioner(loc, scale=2 * scale)
     eps = torch.randn(8, 3)
-    grads = {}
-    for estimator in ("stl", "entropy"):
+
+    def exact_fit(estimator):
         fit = _GaussianFit(space, start, (), {}, 8, 0.05, 0, eps, estimator=estimator)
         assert not fit.dense
         with torch.no_grad():
             fit.log_diag.fill_(math.log(0.5))
-        fit.surrogate(eps).backward()
-        grads[estimator] = torch.cat([p.grad.reshape(-1) for p in fit.params])
-    assert grads["stl"].abs().max() < 1e-8
-    assert grads["entropy"].abs().max() > 0.1
+        return fit, eps
+
+    _check_stl_gradient_vanishes(exact_fit)
 
 
-def test_the_stl_fit_finds_the_best_gaussian_of_a_non_gaussian_target():
-    space, init = space_of(_quartic, ())
+def test_the_stl_fit_finds_the_best_gaussian_of_a_non_gaussian_target(quartic_model):
+    space, init = space_of(quartic_model, ())
     pre = find_preconditioner(space, init, (), vi_estimator="stl")
     assert pre.source == "gaussian_vi"
     assert abs(pre.loc.item()) < 0.05

@@ -532,13 +532,14 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
     wanted = [METHODS[s] for s in specs.values() if isinstance(s, str)]
     estimators = sorted({m.vi_estimator for m in wanted if m.preconditioned})
     found, record = {}, {}
+    first = None  # the first search's estimator
     for estimator in estimators:
-        reused = next(iter(found.values()), None)
-        if reused is not None and not _ran_gaussian_fit(reused):
+        if first is not None and not _ran_gaussian_fit(found[first]):
             # the Laplace passed its check: no Gaussian fit ran, so the other estimator's
             # search (deterministic given its seed) would find the same preconditioner
-            found[estimator], record[estimator] = reused, next(iter(record.values()))
+            found[estimator], record[estimator] = found[first], record[first]
             continue
+        first = first or estimator
         with PeakMemory() as memory:
             start = time.perf_counter()
             pre = model_preconditioner(

@@ -18,6 +18,7 @@ Trace layout (what a loss sees):
 * one Jacobian-carrying ``Delta`` per model site, exactly as ``AutoContinuous`` emits.
 """
 
+import collections
 import contextlib
 import contextvars
 import math
@@ -43,9 +44,11 @@ PARAMETRIZATIONS = ("auto", "standard", "scaled", "ntk")
 #: ``scaled`` and as the code saved with its parameters (see ``_store_layers``)
 _LAYERS = {"standard": (False, 0.0), "scaled": (True, 1.0), "ntk": ("ntk", 2.0)}
 
-# what the loss now running a guide asks of a guide built during its step (see
-# :func:`requested_by_loss`)
-_REQUEST = contextvars.ContextVar("guide_request", default=(None, "entropy"))
+#: what the loss now running a guide asks of a guide built during its step (see
+#: :func:`requested_by_loss`)
+_GuideRequest = collections.namedtuple("_GuideRequest", "parametrization vi_estimator")
+_NO_REQUEST = _GuideRequest(None, "entropy")  # a guide first called outside any loss
+_REQUEST = contextvars.ContextVar("guide_request", default=_NO_REQUEST)
 
 
 @contextlib.contextmanager
@@ -58,7 +61,7 @@ def requested_by_loss(parametrization=None, vi_estimator="entropy"):
     (:func:`~pyro_implicit.latent.find_preconditioner`). The losses run their steps inside
     it with their :attr:`~pyro_implicit.elbo.base.ImplicitELBO.guide_parametrization` and
     :attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`."""
-    token = _REQUEST.set((parametrization, vi_estimator))
+    token = _REQUEST.set(_GuideRequest(parametrization, vi_estimator))
     try:
         yield
     finally:
@@ -300,7 +303,7 @@ class ImplicitAutoGuide(AutoContinuous):
             return "scaled" if any(k.endswith("raw_weight") for k in weights) else "standard"
         # auto: what the loss building the guide asks for, in whitened coordinates only
         # (the papers' raw-space generators stay as published)
-        requested = _REQUEST.get()[0]
+        requested = _REQUEST.get().parametrization
         return requested if self.whitened and requested in ("scaled", "ntk") else "standard"
 
     def _check_saved_layers(self, code):
@@ -347,7 +350,7 @@ class ImplicitAutoGuide(AutoContinuous):
                     args,
                     kwargs,
                     dense=dense,
-                    vi_estimator=_REQUEST.get()[1],
+                    vi_estimator=_REQUEST.get().vi_estimator,
                 )
         return found.diagonal() if dense is False else found
 
