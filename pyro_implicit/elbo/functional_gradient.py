@@ -58,12 +58,15 @@ class _FunctionalGradientELBO(ImplicitELBO):
         #: (id(model), id(guide)) -> whether the traced path may draw the guide directly
         #: (without a Pyro trace of it: it is the whole guide and its site is unscaled)
         self._direct = {}
-        self.kernel = (
-            RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
-            if kernel is None
-            else kernel
-        )
+        self.kernel = self.default_kernel(num_particles) if kernel is None else kernel
         self.independent_batches = bool(independent_batches)
+
+    @staticmethod
+    def default_kernel(num_particles):
+        """The kernel when none is given: RBF at Liu & Wang's length scale,
+        :math:`h = \\mathrm{med}^2 / \\log N`, the one the GPVI paper gives every kernel
+        method (Ratzlaff et al. 2021, App. B.2)."""
+        return RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
 
     # -------------------------------------------------------------- guide checks
     def _check_packed_guide(self, guide, model_trace):
