@@ -3,6 +3,9 @@
 Reference numbers and test designs are the GPVI digest's Sec. 8.5 (notes/seeds/gpvi.md).
 """
 
+import math
+
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -287,6 +290,35 @@ def test_bad_arguments():
         GPVI_ELBO(helper_lr=0.0)
     with pytest.raises(ValueError, match="num_particles"):
         GPVI_ELBO(1)
+
+
+def test_amortized_svgd_default_kernel_is_two_rbf_terms(monkeypatch):
+    """The default kernel, from the distances the step computes: the mean of the RBF
+    kernels at Liu & Wang's length scale (median / sqrt(2 log N)) and at the median
+    distance itself; GPVI keeps Liu & Wang's alone."""
+    import pyro_implicit.elbo.amortized_svgd as amortized_svgd
+
+    seen = []
+
+    def recording(kernel, d2, bandwidth):
+        out = kernel_and_derivative(kernel, d2, bandwidth)
+        seen.append((d2, out[0]))
+        return out
+
+    monkeypatch.setattr(amortized_svgd, "kernel_and_derivative", recording)
+    n = 16
+    guide = ImplicitGuide(gaussian_model, noise_dim=3)
+    loss = AmortizedSVGD_ELBO(n, independent_batches=False)
+    SVI(gaussian_model, guide, pyro.optim.Adam({"lr": 1e-3}), loss).step()
+    d2, k = seen[-1]
+    rows, cols = torch.triu_indices(n, n, 1)
+    median = float(np.median(d2[rows, cols].sqrt().numpy()))  # each pair once
+    liu_wang = median / math.sqrt(2 * math.log(n))
+    expected = 0.5 * (torch.exp(-d2 / (2 * liu_wang**2)) + torch.exp(-d2 / (2 * median**2)))
+    assert torch.allclose(k, expected, rtol=1e-10, atol=1e-12)
+    gpvi_kernel = GPVI_ELBO(n).kernel
+    assert type(gpvi_kernel) is RBFKernel
+    assert gpvi_kernel.bandwidth_factor == pytest.approx(1 / math.sqrt(2 * math.log(n)))
 
 
 def test_amortized_svgd_accepts_non_square_guides():

@@ -6,6 +6,7 @@ import torch
 
 from pyro_implicit.kernels import (
     IMQKernel,
+    MultiScaleRBFKernel,
     RBFKernel,
     kernel_and_derivative,
     median_bandwidth,
@@ -84,7 +85,10 @@ def test_rbf_kernel_values():
     assert torch.allclose(k.diagonal(), torch.ones(2))
 
 
-@pytest.mark.parametrize("kernel", [RBFKernel(), IMQKernel(), IMQKernel(beta=-0.3)])
+@pytest.mark.parametrize(
+    "kernel",
+    [RBFKernel(), IMQKernel(), IMQKernel(beta=-0.3), MultiScaleRBFKernel((0.35, 1.0))],
+)
 def test_stein_repulsion_matches_autograd(kernel):
     x = torch.randn(8, 4)
     k, repulsion, h = kernel.stein_terms(x)
@@ -96,6 +100,22 @@ def test_stein_repulsion_matches_autograd(kernel):
     )
     assert torch.allclose(repulsion, expected, atol=1e-10)
     assert torch.allclose(k, gram.detach())
+
+
+def test_multi_scale_rbf_kernel_values():
+    # |a - b| = 5 at a median of 5: the mean of exp(-25 / (2 (c 5)^2)) over c in (0.5, 2)
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0]])
+    kernel = MultiScaleRBFKernel((0.5, 2.0))
+    assert kernel.bandwidth(x).item() == pytest.approx(5.0)
+    k = kernel(x)
+    expected = 0.5 * (math.exp(-1 / (2 * 0.25)) + math.exp(-1 / (2 * 4.0)))
+    assert k[0, 1].item() == pytest.approx(expected, rel=1e-12)
+    assert torch.allclose(k.diagonal(), torch.ones(3))
+    # one factor is the RBF kernel at that many median distances
+    d2 = torch.rand(4, 3) * 5
+    one = MultiScaleRBFKernel((0.7,)).value_and_derivative(d2, torch.tensor(2.0))
+    rbf = RBFKernel().value_and_derivative(d2, torch.tensor(1.4))
+    assert torch.allclose(one[0], rbf[0], rtol=1e-12) and torch.allclose(one[1], rbf[1])
 
 
 def test_identical_particles_have_zero_repulsion():
@@ -118,11 +138,15 @@ def test_bad_kernel_arguments():
         RBFKernel(bandwidth=-1.0)
     with pytest.raises(ValueError, match="beta"):
         IMQKernel(beta=0.5)
+    with pytest.raises(ValueError, match="bandwidth_factors"):
+        MultiScaleRBFKernel((1.0, 0.0))
+    with pytest.raises(ValueError, match="bandwidth_factors"):
+        MultiScaleRBFKernel(())
     with pytest.raises(ValueError, match="dimension"):
         squared_distances(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
-@pytest.mark.parametrize("kernel", [RBFKernel(), IMQKernel()])
+@pytest.mark.parametrize("kernel", [RBFKernel(), IMQKernel(), MultiScaleRBFKernel((0.35, 1.0))])
 def test_derivative_wrt_squared_distance_matches_autograd(kernel):
     d2 = torch.rand(5, 4).mul(3).requires_grad_(True)
     h = torch.tensor(0.7)
@@ -141,7 +165,14 @@ class _TwoMethodKernel:
 
 
 @pytest.mark.parametrize(
-    "kernel", [RBFKernel(), IMQKernel(), IMQKernel(beta=-0.3), _TwoMethodKernel()]
+    "kernel",
+    [
+        RBFKernel(),
+        IMQKernel(),
+        IMQKernel(beta=-0.3),
+        MultiScaleRBFKernel((0.35, 1.0)),
+        _TwoMethodKernel(),
+    ],
 )
 def test_kernel_and_derivative_are_the_two_methods(kernel):
     d2 = torch.rand(5, 4).mul(3)
