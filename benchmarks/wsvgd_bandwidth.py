@@ -8,9 +8,11 @@ replaced by each of ``--factors``, and scores the particles against the NUTS ref
     python benchmarks/wsvgd_bandwidth.py --models stochastic_volatility \\
         --factors 0.5,0.7,1,1.4,2 --seeds 0,1,2 --out benchmarks/results/wsvgd_bandwidth.md
 
-``--method gpvi`` or ``asvgd`` does the same for the functional-gradient losses, whose
-default length scale is Liu & Wang's (``svgd_bandwidth_factor(num_particles)`` median
-distances, 0.35 at their 64 particles; ``--factors default`` keeps it).
+``--method gpvi`` or ``asvgd`` does the same for the functional-gradient losses (their
+``default_kernel``: for ``gpvi`` Liu & Wang's length scale, ``svgd_bandwidth_factor(64)``
+= 0.35 median distances; for ``asvgd`` since 1a929a3 an equal mixture of RBF kernels at
+0.35 and 1 median distances; ``--factors default`` keeps it), where a factor written
+``0.35+1`` is such a mixture.
 
 One torch thread, float64, as ``stiff.py``.
 """
@@ -23,18 +25,42 @@ import _provenance
 import stiff
 import torch
 
-import pyro_implicit.elbo.functional_gradient as functional_gradient
 import pyro_implicit.particles.svgd as svgd
+from pyro_implicit import GPVI_ELBO, AmortizedSVGD_ELBO
+from pyro_implicit.kernels import MultiScaleRBFKernel, RBFKernel
 
 
 def _patched(method, factor):
     """The default length scale of ``method``'s kernel set to ``factor`` median distances
-    (``None``: left as it is)."""
+    (``None``: left as it is; a tuple, for ``gpvi`` and ``asvgd``: an equal mixture of RBF
+    kernels at those many median distances)."""
     if factor is None:
         return mock.patch.object(svgd, "WHITENED_BANDWIDTH_FACTOR", svgd.WHITENED_BANDWIDTH_FACTOR)
     if method == "wsvgd":
         return mock.patch.object(svgd, "WHITENED_BANDWIDTH_FACTOR", factor)
-    return mock.patch.object(functional_gradient, "svgd_bandwidth_factor", lambda n: factor)
+    cls = GPVI_ELBO if method == "gpvi" else AmortizedSVGD_ELBO
+    if isinstance(factor, tuple):
+        kernel = staticmethod(lambda n: MultiScaleRBFKernel(factor))
+    else:
+        kernel = staticmethod(lambda n: RBFKernel(bandwidth_factor=factor))
+    return mock.patch.object(cls, "default_kernel", kernel)
+
+
+def _factor(text):
+    """``default``, one factor (``0.35``) or a mixture's factors (``0.35+1``)."""
+    if text == "default":
+        return None
+    if "+" in text:
+        return tuple(float(f) for f in text.split("+"))
+    return float(text)
+
+
+def _label(factor):
+    if factor is None:
+        return "default"
+    if isinstance(factor, tuple):
+        return "+".join(f"{f:g}" for f in factor)
+    return f"{factor:g}"
 
 
 def main(argv=None):
@@ -49,7 +75,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     models = stiff._choices(args.models, stiff.MODELS, "models")  # names checked, or all
-    factors = [None if f == "default" else float(f) for f in args.factors.split(",")]
+    factors = [_factor(f) for f in args.factors.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     lines = [
         f"# `{args.method}`'s kernel length scale on the stiff benchmark",
@@ -79,7 +105,7 @@ def main(argv=None):
                     )
             errors = [r["mean_error_max"] for r in rows]
             line = (
-                f"| {name} | {'default' if factor is None else f'{factor:g}'} | "
+                f"| {name} | {_label(factor)} | "
                 f"{' / '.join(f'{e:.3f}' for e in errors)} | "
                 f"{statistics.mean(errors):.3f} | "
                 f"{statistics.mean(r['energy_distance'] for r in rows):.4f} | "
