@@ -176,18 +176,22 @@ class MLPGenerator(nn.Module):
         batched forward-mode products (which carry their own autograd graph).
         """
         derivative = _DERIVATIVES[self.activation]
-        h, jac = noise, None  # jac None: the identity
+        # built transposed, (..., noise_dim, width): each layer's product is then one
+        # matrix product over every row (rows x W^T), not a batch of small ones (a 40 x 40
+        # Jacobian of 100 rows through 80-wide layers: 2.2 -> 1.5 ms)
+        h, jac_t = noise, None  # None: the identity
         layers = list(self.hidden)
         for linear, act in zip(layers[::2], layers[1::2], strict=True):
             pre = linear(h)
             h = act(pre)
-            jac = linear.weight if jac is None else linear.weight @ jac
-            jac = derivative(pre, h).unsqueeze(-1) * jac
+            weight_t = linear.weight.mT
+            jac_t = weight_t if jac_t is None else jac_t @ weight_t
+            jac_t = jac_t * derivative(pre, h).unsqueeze(-2)
         weight = self.output.weight
-        if jac is None:  # an affine generator: the same J for every row
+        if jac_t is None:  # an affine generator: the same J for every row
             jac = weight.expand(noise.shape[:-1] + weight.shape)
         else:
-            jac = weight @ jac
+            jac = (jac_t @ weight.mT).mT
         if self.skip:
             k = self.skip_dim
             eye = torch.zeros(self.out_dim, self.noise_dim, dtype=jac.dtype, device=jac.device)
