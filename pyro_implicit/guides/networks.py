@@ -185,7 +185,9 @@ class MLPGenerator(nn.Module):
             pre = linear(h)
             h = act(pre)
             weight_t = linear.weight.mT
-            jac_t = weight_t if jac_t is None else jac_t @ weight_t
+            # the first layer's copy is contiguous so the products after it fold into one
+            # matrix product (matmul batches a strided one instead)
+            jac_t = weight_t.contiguous() if jac_t is None else jac_t @ weight_t
             jac_t = jac_t * derivative(pre, h).unsqueeze(-2)
         weight = self.output.weight
         if jac_t is None:  # an affine generator: the same J for every row
