@@ -296,8 +296,9 @@ class SkipGenerator(nn.Module):
         :math:`\lambda I`. Differentiable with respect to the parameters; GPVI's exact
         solve and :func:`~pyro_implicit.elbo.livi.jacobian` use it instead of D
         forward-mode products through the network."""
-        inner = self.net.jacobian(noise[..., : self.active_dim])  # (..., D, k)
-        jac = nn.functional.pad(inner, (0, self.noise_dim - self.active_dim))
+        jac = self.net.jacobian(noise[..., : self.active_dim])  # (..., D, k)
+        if self.active_dim < self.noise_dim:
+            jac = nn.functional.pad(jac, (0, self.noise_dim - self.active_dim))
         eye = torch.eye(self.out_dim, dtype=jac.dtype, device=jac.device)
         return jac + self.skip_scale * eye
 
