@@ -15,6 +15,7 @@ scale :math:`\\sigma` in :math:`k(a, b) = \\exp(-\\|a - b\\|^2 / (2\\sigma^2))` 
 Methods that want the SVGD convention :math:`h = \\mathrm{med}^2 / \\log N` (Liu & Wang 2016)
 pass ``bandwidth_factor`` so that :math:`2\\sigma^2 = h`, i.e.
 ``bandwidth_factor = 1 / sqrt(2 log N)``; :func:`svgd_bandwidth_factor` computes it.
+:class:`MultiScaleRBFKernel` averages RBF kernels at several multiples of the same median.
 """
 
 import math
