@@ -205,7 +205,9 @@ def test_skip_generator_jacobian_is_eq_7():
 @pytest.mark.parametrize("hidden_dims", [(5, 3), ()])
 @pytest.mark.parametrize("active_dim", [2, 4])
 def test_skip_generator_explicit_jacobian_matches_autograd(hidden_dims, active_dim):
-    gen = SkipGenerator(4, active_dim=active_dim, hidden_dims=hidden_dims, activation="tanh").double()
+    gen = SkipGenerator(
+        4, active_dim=active_dim, hidden_dims=hidden_dims, activation="tanh"
+    ).double()
     z = torch.randn(3, 4, dtype=torch.float64)
     expected = torch.stack([torch.func.jacrev(gen)(row) for row in z])
     assert torch.allclose(gen.jacobian(z), expected, atol=1e-12)
