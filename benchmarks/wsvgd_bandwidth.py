@@ -76,6 +76,8 @@ def main(argv=None):
     torch.set_default_dtype(torch.float64)
     models = stiff._choices(args.models, stiff.MODELS, "models")  # names checked, or all
     factors = [_factor(f) for f in args.factors.split(",")]
+    if args.method == "wsvgd" and any(isinstance(f, tuple) for f in factors):
+        parser.error("a mixture of length scales (a+b) is for --method gpvi or asvgd only")
     seeds = [int(s) for s in args.seeds.split(",")]
     lines = [
         f"# `{args.method}`'s kernel length scale on the stiff benchmark",
