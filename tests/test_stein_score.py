@@ -12,6 +12,7 @@ from pyro.infer import SVI
 
 from pyro_implicit import ImplicitGuide, SteinScoreELBO
 from pyro_implicit.elbo import sample_score, stein_residual_score
+from pyro_implicit.elbo.stein_score import DEFAULT_RIDGE
 
 
 @pytest.fixture(autouse=True)
@@ -137,6 +138,24 @@ def test_the_loss_default_kernel_is_imq_with_the_median_rule():
     default, _ = stein_residual_score(y)
     rbf, _ = stein_residual_score(y, kernel=RBFKernel(bandwidth_factor=2.0**-0.5))
     torch.testing.assert_close(default, rbf)
+
+
+def test_the_loss_residual_is_the_estimate_at_its_ridge():
+    # the loss's surrogate has gradient mean_j h(z_j) with h the kernel ridge estimate at
+    # the loss's own ridge (DEFAULT_RIDGE unless given): benchmarks/results/stein_ridge.md
+    z = torch.randn(40, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for ridge in (None, 0.01):
+        loss = SteinScoreELBO(ridge=ridge)
+        expected_ridge = DEFAULT_RIDGE if ridge is None else ridge
+        assert loss.ridge == expected_ridge
+        w = z.clone().requires_grad_()
+        surrogate, _ = loss._whitened_kl(w)
+        surrogate.backward()
+        h, _ = stein_residual_score(z, expected_ridge, loss.kernel)
+        torch.testing.assert_close(w.grad, h / z.shape[0])
+    # the two ridges give different residuals, so the check above tells them apart
+    other, _ = stein_residual_score(z, 0.01, loss.kernel)
+    assert not torch.allclose(stein_residual_score(z, DEFAULT_RIDGE, loss.kernel)[0], other)
 
 
 def test_bad_ridge_is_refused():

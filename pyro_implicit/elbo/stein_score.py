@@ -54,6 +54,7 @@ from .kernel_ratio import KernelRatioELBO
 
 __all__ = [
     "SteinScoreELBO",
+    "DEFAULT_RIDGE",
     "default_num_particles",
     "default_residual_kernel",
     "sample_score",
@@ -80,6 +81,18 @@ def default_residual_kernel():
     banana from 400 draws, the RBF kernel is a little better (relative error 0.55 against
     0.60), so :func:`stein_residual_score` keeps it as its own default."""
     return IMQKernel(bandwidth_factor=DEFAULT_BANDWIDTH_FACTOR)
+
+
+#: :class:`SteinScoreELBO`'s default kernel ridge, relative to the kernel's unit diagonal.
+#: With 0.01 (the best of 0.01-1 with the RBF residual kernel of Li & Turner) the IMQ
+#: residual shrank too far in a funnel's mouth: trained 5000 steps with ``compare``'s
+#: decaying rate, the centred eight schools widened to 0.39 NUTS sds off (0.10 after 1000;
+#: ``benchmarks/results/longer_centred.md``). 0.003 keeps it near (0.16 at the seeds that
+#: had widened) and, at the stiff benchmark's 2000 steps (seeds 0-2), lowers the seed-mean
+#: error on six of eight posteriors (Neal's funnel 0.123 -> 0.036), the raw-scale
+#: regression the exception (0.066 -> 0.091; ``benchmarks/results/stein_ridge.md``).
+#: 0.001 narrows the funnel's tails instead.
+DEFAULT_RIDGE = 0.003
 
 
 #: ``num_particles="auto"``: ``(count, up to this many latent dimensions)`` rules, the
@@ -217,9 +230,10 @@ class SteinScoreELBO(KernelRatioELBO):
         training widened eight schools' ``tau`` and stochastic volatility ended 0.48 NUTS
         sds off (0.26 with 200, 0.24 with 300: ``benchmarks/results/stein_particles.md``);
         with the IMQ kernel 300 did not pay over 200 (``stein_imq_particles300.md``).
-    :param float ridge: :math:`\eta` of the kernel ridge regression (default 0.01: the
-        best of 0.01-1 on the stiff benchmark; larger shrinks the residual towards 0,
-        i.e. towards the Gaussian upper bound, which lets q grow too wide).
+    :param float ridge: :math:`\eta` of the kernel ridge regression (default
+        :data:`DEFAULT_RIDGE`). Larger shrinks the residual towards 0, i.e. towards the
+        Gaussian upper bound, which lets q grow too wide; smaller lets the residual's
+        noise narrow q's tails.
     :param kernel: kernel of the residual (default :func:`default_residual_kernel`: IMQ,
         length scale the median distance of the whitened draws over sqrt(2); pass
         ``RBFKernel(bandwidth_factor=DEFAULT_BANDWIDTH_FACTOR)`` for the estimator of Li &
@@ -258,7 +272,7 @@ class SteinScoreELBO(KernelRatioELBO):
     def __init__(
         self,
         num_particles="auto",
-        ridge=0.01,
+        ridge=None,
         kernel=None,
         per_group=True,
         exact_sites="auto",
@@ -267,6 +281,7 @@ class SteinScoreELBO(KernelRatioELBO):
         retain_graph=None,
         compile="fx",
     ):
+        ridge = DEFAULT_RIDGE if ridge is None else ridge
         if not ridge > 0:
             raise ValueError(f"ridge must be positive, got {ridge}")
         auto = isinstance(num_particles, str)
