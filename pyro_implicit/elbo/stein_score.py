@@ -86,12 +86,12 @@ def default_residual_kernel():
 #: :class:`SteinScoreELBO`'s default kernel ridge, relative to the kernel's unit diagonal.
 #: With 0.01 (the best of 0.01-1 with the RBF residual kernel of Li & Turner) the IMQ
 #: residual shrank too far in a funnel's mouth: trained 5000 steps with ``compare``'s
-#: decaying rate, the centred eight schools widened to 0.39 NUTS sds off (0.10 after 1000;
-#: ``benchmarks/results/longer_centred.md``). 0.003 keeps it near (0.16 at the seeds that
-#: had widened) and, at the stiff benchmark's 2000 steps (seeds 0-2), lowers the seed-mean
-#: error on six of eight posteriors (Neal's funnel 0.123 -> 0.036), the raw-scale
-#: regression the exception (0.066 -> 0.091; ``benchmarks/results/stein_ridge.md``).
-#: 0.001 narrows the funnel's tails instead.
+#: decaying rate, the centred eight schools widened to 0.39 NUTS sds off (0.10 after 1000
+#: steps, seeds 0-2; ``benchmarks/results/longer_centred.md``). With 0.003 it ends 0.16
+#: off (0.21 after 1000), and at the stiff benchmark's 2000 steps (seeds 0-5) the
+#: seed-mean error falls on six of eight posteriors (Neal's funnel 0.165 -> 0.032), the
+#: banana (0.060 -> 0.079) and the raw-scale regression (0.080 -> 0.084) the exceptions
+#: (``benchmarks/results/stein_ridge.md``).
 DEFAULT_RIDGE = 0.003
 
 
