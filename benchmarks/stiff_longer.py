@@ -11,7 +11,8 @@ long gold NUTS run, whose noise floor is known, over several seeds:
     python benchmarks/stiff_longer.py --short short_0.json,short_1.json \\
         --long long_0.json,long_1.json --markdown out.md
 
-``--short`` and ``--long`` list one file per seed, in the same seed order. A method is
+``--short`` and ``--long`` list one file per seed, in the same seed order (several files of
+one seed joined by ``+`` are merged as ``stiff_report.py`` merges them). A method is
 read as **worse** where its seed mean of the max mean error after the longer run exceeds
 the shorter run's by more than the reference's noise floor (NUTS's first half against its
 second: fits that differ by less cannot be told apart by this reference), **energy up**
@@ -19,14 +20,17 @@ where only the seed mean of the energy distance rose, and **no worse** otherwise
 """
 
 import argparse
-import json
 import pathlib
+from statistics import fmean
 
 import _provenance
+from stiff_report import merge
 
 
-def _load(paths):
-    return [json.loads(pathlib.Path(p).read_text()) for p in paths]
+def _load(groups):
+    """One merged record per seed (``stiff_report.merge``: later files' rows replace
+    earlier ones, old method names renamed)."""
+    return [merge(files.split("+"))[0] for files in groups]
 
 
 def _by_method(records):
@@ -38,10 +42,6 @@ def _by_method(records):
     return {k: v for k, v in out.items() if len(v) == len(records)}
 
 
-def _mean(values):
-    return sum(values) / len(values)
-
-
 def _summary(rows):
     """Seed means of the max mean error and energy distance (inf if a fit failed), the
     per-seed errors, and the widest sd-ratio range over the seeds."""
@@ -51,8 +51,8 @@ def _summary(rows):
     low = min(r["sd_ratio_min"] for r in rows)
     high = max(r["sd_ratio_max"] for r in rows)
     return (
-        _mean(errors),
-        _mean([r["energy_distance"] for r in rows]),
+        fmean(errors),
+        fmean([r["energy_distance"] for r in rows]),
         errors,
         f"{low:.2f}-{high:.2f}",
     )
@@ -69,7 +69,13 @@ def table(short, long):
         "|---|---|---:|---:|---|---:|---:|---|---|---:|---|",
     ]
     verdicts = {}
-    for key in a:
+    # the order the models and methods ran in
+    models, methods = list(short[0]["references"]), short[0]["settings"]["methods"]
+
+    def ran(key):
+        return models.index(key[0]), methods.index(key[1]) if key[1] in methods else len(methods)
+
+    for key in sorted(a, key=ran):
         if key not in b:
             continue
         model, method, pre = key
@@ -126,7 +132,7 @@ def markdown(args, short, long):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", required=True, help="stiff.py files, one per seed")
+    parser.add_argument("--short", required=True, help="stiff.py files, one per seed (a+b: merged)")
     parser.add_argument("--long", required=True, help="the same seeds' longer runs")
     parser.add_argument("--markdown", required=True)
     args = parser.parse_args(argv)
