@@ -8,8 +8,10 @@ arithmetic, is most of the time. :class:`CompiledLogDensity` runs the model once
 gradient's included (``torch.func.grad_and_value``), and replays that graph afterwards:
 a pure function of ``u``. Random operations (a plate's subsample indices) are recorded as
 operations, so each call still draws fresh minibatches, as the eager path does; the full
-data of a subsampled model runs through one minibatch's graph, the indices its input. With
-``backend="inductor"`` the graph is compiled further by ``torch.compile``.
+data of a subsampled model runs through one minibatch's graph, the indices its input. The
+graph is then simplified (:func:`_simplify`: what the trace recorded but the replay does
+not need, the same values to the bit). With ``backend="inductor"`` it is compiled further
+by ``torch.compile``.
 
 What a graph cannot follow, it does not pretend to:
 
@@ -131,6 +133,152 @@ def _select_along_one_dim(graph_module):
     return rewritten
 
 
+#: ops that return their first argument's values unchanged when the second is this constant
+_IDENTITY_SCALARS = {
+    torch.ops.aten.mul.Tensor: 1,
+    torch.ops.aten.mul.Scalar: 1,
+    torch.ops.aten.div.Tensor: 1,
+    torch.ops.aten.div.Scalar: 1,
+    torch.ops.aten.add.Tensor: 0,
+    torch.ops.aten.add.Scalar: 0,
+    torch.ops.aten.sub.Tensor: 0,
+    torch.ops.aten.sub.Scalar: 0,
+    torch.ops.aten.pow.Tensor_Scalar: 1,
+}
+#: views that return their argument unchanged when the shape asked for is its own
+_SAME_SHAPE_VIEWS = (
+    torch.ops.aten.expand.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten._unsafe_view.default,
+)
+
+
+def _is_op(node):
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+
+
+def _same_tensor_type(node, source):
+    """Whether the values recorded for two nodes have one shape, dtype and device."""
+    a, b = node.meta.get("val"), source.meta.get("val")
+    return (
+        torch.is_tensor(a)
+        and torch.is_tensor(b)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def _identity_source(node):
+    """The node whose value ``node`` repeats (``x * 1``, ``x + 0``, ``x ** 1``, a view
+    of ``x`` in its own shape, a fresh copy of a constant), or ``None``."""
+    aten = torch.ops.aten
+    if not _is_op(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    source, target, args = node.args[0], node.target, node.args
+    if target is aten.lift_fresh_copy.default:
+        return source
+    if target in _IDENTITY_SCALARS:
+        identity = _IDENTITY_SCALARS[target]
+        if node.kwargs or len(args) != 2 or type(args[1]) not in (int, float):
+            return None
+        if args[1] != identity:
+            return None
+    elif target not in _SAME_SHAPE_VIEWS:
+        return None
+    return source if _same_tensor_type(node, source) else None
+
+
+def _impure(node):
+    """Whether removing or merging ``node`` could change what the graph does: it writes a
+    tensor in place, draws random numbers (a subsample's indices: the stream must advance
+    as the eager run's does), or is not a plain aten operation."""
+    if not _is_op(node):
+        return True
+    target = node.target
+    return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _written_storages(graph):
+    """Every node whose value shares storage with a tensor that an in-place operation
+    writes (the written tensor's views' bases, and all views of those): nodes the rewrites
+    must leave alone, since a copy of such a value and the value itself part ways after
+    the write."""
+    roots = []
+    for node in graph.nodes:
+        if not (_is_op(node) and node.target._schema.is_mutable):
+            continue
+        stack = [arg for arg in node.args if isinstance(arg, torch.fx.Node)]
+        while stack:  # back through views to the tensors that own the storage
+            current = stack.pop()
+            if _is_op(current) and current.target.is_view and current.args:
+                stack.extend(a for a in current.args[:1] if isinstance(a, torch.fx.Node))
+            else:
+                roots.append(current)
+    written, stack = set(), roots
+    while stack:  # forward to every view of them
+        current = stack.pop()
+        if current in written:
+            continue
+        written.add(current)
+        stack.extend(user for user in current.users if _is_op(user) and user.target.is_view)
+    return written
+
+
+def _simplify(graph_module):
+    r"""Remove what a trace of a Pyro model records but does not need: operations that
+    repeat their input (``x * 1``, ``x + 0``, ``x ** 1``, views and expansions to the
+    shape the tensor already has, fresh copies of constants: a data matrix copied on every
+    call), operations computed twice on the same inputs, and operations whose results are
+    never used (the per-site sums of a trace's ``log_prob_sum``, unused index ranges).
+    Each replay of the graph runs every node at a few microseconds' overhead on small
+    tensors, so on small models these are a quarter to a third of the time
+    (``benchmarks/graph_simplify.py``). The values are the same to the bit (but for the
+    sign of a zero, which ``x + 0`` makes positive): nothing is reordered or
+    re-associated, and in-place writes, random draws (which must advance the stream as
+    the eager run does) and whatever shares storage with a written tensor stay as traced.
+    Returns the number of nodes removed."""
+    graph = graph_module.graph
+    written = _written_storages(graph)
+    removed = 0
+    for node in list(graph.nodes):
+        source = _identity_source(node)
+        if source is None or node in written or source in written:
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue  # a returned constant or input would be handed out to be changed
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        removed += 1
+    seen = {}
+    for node in list(graph.nodes):
+        if _impure(node) or node in written:
+            continue
+        inputs = []
+        torch.fx.node.map_arg((node.args, node.kwargs), inputs.append)
+        if any(arg in written for arg in inputs):
+            continue
+        key = (node.target, repr((node.args, node.kwargs)))  # nodes repr by unique name
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            removed += 1
+        else:
+            seen[key] = node
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and _impure(node):
+            continue
+        graph.erase_node(node)
+        removed += 1
+    if removed:
+        graph.lint()
+        graph_module.recompile()
+    return removed
+
+
 class _Uncompilable(Exception):
     """A reason to stay eager."""
 
@@ -176,6 +324,10 @@ class CompiledLogDensity:
         arguments change on every call).
     """
 
+    #: whether traced graphs are simplified (:func:`_simplify`; the same values to the bit);
+    #: a class attribute so that a benchmark can time the graphs as traced
+    simplify = True
+
     def __init__(self, space, backend="fx", max_signatures=8):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -185,14 +337,16 @@ class CompiledLogDensity:
         self._graphs = collections.OrderedDict()
         #: why the space went back to eager (``None`` while it is compiled)
         self.fallback_reason = None
-        #: ``{"traces", "calls", "trace_seconds", "compile_seconds", "rewritten_nodes"}``
-        #: (the last: gathers made ``index_select`` / ``index_add``)
+        #: ``{"traces", "calls", "trace_seconds", "compile_seconds", "rewritten_nodes",
+        #: "removed_nodes"}`` (gathers made ``index_select`` / ``index_add``; nodes
+        #: :func:`_simplify` removed)
         self.stats = {
             "traces": 0,
             "calls": 0,
             "trace_seconds": 0.0,
             "compile_seconds": 0.0,
             "rewritten_nodes": 0,
+            "removed_nodes": 0,
         }
 
     @property
@@ -301,6 +455,8 @@ class CompiledLogDensity:
             graph = make_fx(grad_and_value)(*inputs)
         pyro.util.set_rng_state(rng)
         self.stats["rewritten_nodes"] += _select_along_one_dim(graph)
+        if self.simplify:
+            self.stats["removed_nodes"] += _simplify(graph)
         self.stats["traces"] += 1
         self.stats["trace_seconds"] += time.perf_counter() - start
         if self.backend == "inductor":
