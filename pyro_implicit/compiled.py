@@ -226,21 +226,8 @@ def _written_storages(graph):
     return written
 
 
-def _simplify(graph_module):
-    r"""Remove what a trace of a Pyro model records but does not need: operations that
-    repeat their input (``x * 1``, ``x + 0``, ``x ** 1``, views and expansions to the
-    shape the tensor already has, fresh copies of constants: a data matrix copied on every
-    call), operations computed twice on the same inputs, and operations whose results are
-    never used (the per-site sums of a trace's ``log_prob_sum``, unused index ranges).
-    Each replay of the graph runs every node at a few microseconds' overhead on small
-    tensors, so on small models these are a quarter to a third of the time
-    (``benchmarks/graph_simplify.py``). The values are the same to the bit (but for the
-    sign of a zero, which ``x + 0`` makes positive): nothing is reordered or
-    re-associated, and in-place writes, random draws (which must advance the stream as
-    the eager run does) and whatever shares storage with a written tensor stay as traced.
-    Returns the number of nodes removed."""
-    graph = graph_module.graph
-    written = _written_storages(graph)
+def _drop_identities(graph, written):
+    """Replace each node that repeats its input by that input; returns how many."""
     removed = 0
     for node in list(graph.nodes):
         source = _identity_source(node)
@@ -251,13 +238,21 @@ def _simplify(graph_module):
         node.replace_all_uses_with(source)
         graph.erase_node(node)
         removed += 1
-    seen = {}
+    return removed
+
+
+def _node_inputs(node):
+    inputs = []
+    torch.fx.node.map_arg((node.args, node.kwargs), inputs.append)
+    return inputs
+
+
+def _merge_repeats(graph, written):
+    """Replace each operation computed again on the same inputs by its first result;
+    returns how many."""
+    removed, seen = 0, {}
     for node in list(graph.nodes):
-        if _impure(node) or node in written:
-            continue
-        inputs = []
-        torch.fx.node.map_arg((node.args, node.kwargs), inputs.append)
-        if any(arg in written for arg in inputs):
+        if _impure(node) or node in written or any(a in written for a in _node_inputs(node)):
             continue
         key = (node.target, repr((node.args, node.kwargs)))  # nodes repr by unique name
         if key in seen:
@@ -266,6 +261,81 @@ def _simplify(graph_module):
             removed += 1
         else:
             seen[key] = node
+    return removed
+
+
+#: operations whose result depends on their tensor argument's shape, dtype and device
+#: only, which a graph's signature fixes
+_SHAPE_ONLY = (
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.full_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default,
+    torch.ops.aten.new_full.default,
+)
+#: the most storage one folded value may hold: a prior's scale expanded over 100 particles
+#: of a network's weights is kept, a tensor of the data's size times the particles is not
+_FOLD_MAX_BYTES = 1 << 20
+
+
+def _fold_constants(graph_module, written):
+    """Compute once what does not depend on the graph's inputs (a prior's parameters
+    broadcast, their logarithms and squares; zeros of a fixed shape) and keep the result
+    as a buffer of the graph; returns how many nodes became buffers."""
+    graph = graph_module.graph
+    values = {}  # node -> its value, for every node that is a constant
+    for node in graph.nodes:
+        if node in written:
+            continue
+        if node.op == "get_attr":
+            values[node] = getattr(graph_module, node.target)
+            continue
+        if _impure(node):
+            continue
+        inputs = _node_inputs(node)
+        shape_of = node.args[0] if node.target in _SHAPE_ONLY else None
+        if not all(a in values or a is shape_of for a in inputs):
+            continue
+
+        def value_of(arg):
+            if arg in values:
+                return values[arg]
+            # a stand-in of the recorded shape, strides, dtype and device
+            fake = arg.meta["val"]
+            return torch.empty_strided(
+                fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
+            )
+
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
+        try:
+            value = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - what cannot be computed here stays in the graph
+            continue
+        if torch.is_tensor(value) and value.untyped_storage().nbytes() <= _FOLD_MAX_BYTES:
+            values[node] = value
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node not in values:
+            continue
+        if all(user in values for user in node.users):
+            continue  # inside a folded part: its users are folded, or it is unused
+        if any(user.op == "output" for user in node.users):
+            continue  # a buffer handed out could be changed by the caller
+        name = f"_folded_constant{folded}"
+        graph_module.register_buffer(name, values[node], persistent=False)
+        with graph.inserting_before(node):
+            buffer = graph.get_attr(name)
+        buffer.meta = dict(node.meta)
+        node.replace_all_uses_with(buffer)
+        folded += 1
+    return folded
+
+
+def _drop_unused(graph):
+    """Erase the nodes whose results are never used (but random draws and writes); returns
+    how many."""
+    removed = 0
     for node in reversed(list(graph.nodes)):
         if node.users or node.op in ("placeholder", "output"):
             continue
@@ -273,10 +343,33 @@ def _simplify(graph_module):
             continue
         graph.erase_node(node)
         removed += 1
-    if removed:
+    return removed
+
+
+def _simplify(graph_module):
+    r"""Remove what a trace of a Pyro model records but does not need: operations that
+    repeat their input (``x * 1``, ``x + 0``, ``x ** 1``, views and expansions to the
+    shape the tensor already has, fresh copies of constants: a data matrix copied on every
+    call), operations computed twice on the same inputs, operations that do not depend on
+    the inputs (computed once, kept as buffers: a prior's parameters broadcast over the
+    draws, their logarithms), and operations whose results are never used (the per-site
+    sums of a trace's ``log_prob_sum``). Each replay of the graph runs every node at a few
+    microseconds' overhead on small tensors, so on small models these are a third to a half
+    of the time (``benchmarks/graph_simplify.py``). The values are the same to the bit (but
+    for the sign of a zero, which ``x + 0`` makes positive): every remaining operation
+    runs on the same values in the same order, and in-place writes, random draws (which
+    must advance the stream as the eager run does) and whatever shares storage with a
+    written tensor stay as traced. Returns the number of call nodes removed."""
+    graph = graph_module.graph
+    before = sum(node.op == "call_function" for node in graph.nodes)
+    written = _written_storages(graph)
+    changed = _drop_identities(graph, written) + _merge_repeats(graph, written)
+    changed += _fold_constants(graph_module, written)
+    changed += _drop_unused(graph)
+    if changed:
         graph.lint()
         graph_module.recompile()
-    return removed
+    return before - sum(node.op == "call_function" for node in graph.nodes)
 
 
 class _Uncompilable(Exception):

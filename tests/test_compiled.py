@@ -132,6 +132,29 @@ def test_simplify_keeps_unused_random_draws():
     assert torch.equal(got, expected) and torch.equal(got_after, after)
 
 
+def test_simplify_computes_constants_once_but_not_what_is_written():
+    """What does not depend on the input (a constant's logarithm broadcast, zeros of the
+    input's shape) becomes a buffer; zeros that are written in place on every call stay
+    an operation of the graph (as a buffer they would carry the last call's sum into the
+    next)."""
+
+    def constants(x):
+        scale = torch.tensor([2.0, 3.0, 4.0])
+        total = torch.zeros_like(x)
+        total.add_(x)
+        return x * scale.log().expand(3) + torch.ones_like(x) + total
+
+    x = torch.randn(3)
+    as_traced, simplified, _ = _traced_twice(constants, x)
+    targets = [n.target for n in simplified.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.log.default not in targets
+    assert torch.ops.aten.ones_like.default not in targets
+    assert torch.ops.aten.zeros_like.default in targets
+    for _ in range(2):
+        assert torch.equal(simplified(x), as_traced(x))
+        assert torch.equal(simplified(x), constants(x))
+
+
 def test_simplify_merges_repeats_and_drops_unused_results():
     def repeats(x):
         x.sin()  # unused
