@@ -277,6 +277,9 @@ _SHAPE_ONLY = (
 #: the most storage one folded value may hold: a prior's scale expanded over 100 particles
 #: of a network's weights is kept, a tensor of the data's size times the particles is not
 _FOLD_MAX_BYTES = 1 << 20
+#: the most storage all of a graph's folded values may hold together (a model of thousands
+#: of sites folds each site's part; past this, the rest is computed on every call)
+_FOLD_MAX_TOTAL_BYTES = 1 << 26
 
 
 def _fold_constants(graph_module, written):
@@ -307,14 +310,14 @@ def _fold_constants(graph_module, written):
                 fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
             )
 
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
         try:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
             value = node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - what cannot be computed here stays in the graph
             continue
         if torch.is_tensor(value) and value.untyped_storage().nbytes() <= _FOLD_MAX_BYTES:
             values[node] = value
-    folded = 0
+    folded, kept = 0, {}  # kept: storage -> bytes, of the values made buffers
     for node in list(graph.nodes):
         if node.op != "call_function" or node not in values:
             continue
@@ -322,6 +325,11 @@ def _fold_constants(graph_module, written):
             continue  # inside a folded part: its users are folded, or it is unused
         if any(user.op == "output" for user in node.users):
             continue  # a buffer handed out could be changed by the caller
+        storage = values[node].untyped_storage()
+        if storage.data_ptr() not in kept:
+            if sum(kept.values()) + storage.nbytes() > _FOLD_MAX_TOTAL_BYTES:
+                continue  # computed on every call, as traced
+            kept[storage.data_ptr()] = storage.nbytes()
         name = f"_folded_constant{folded}"
         graph_module.register_buffer(name, values[node], persistent=False)
         with graph.inserting_before(node):

@@ -409,3 +409,19 @@ def test_sivi_keeps_pyro_traces_for_guide_lists():
         num_mixing=4,
     )
     assert list(loss._fast_spaces.values()) == [None]
+
+
+def test_folded_constants_stay_within_their_storage_budget(monkeypatch):
+    """Past the total budget, what would be folded is computed on every call instead: the
+    same values, no buffer beyond the budget."""
+    from pyro_implicit import compiled
+
+    def priors(x):
+        return x * torch.tensor([2.0, 3.0]).log() + torch.tensor([4.0, 5.0]).sqrt()
+
+    x = torch.randn(2)
+    monkeypatch.setattr(compiled, "_FOLD_MAX_TOTAL_BYTES", 16)  # one float64 pair
+    _, simplified, _ = _traced_twice(priors, x)
+    folded = [b for name, b in simplified.named_buffers() if name.startswith("_folded")]
+    assert len(folded) == 1 and folded[0].untyped_storage().nbytes() == 16
+    assert torch.equal(simplified(x), priors(x))
