@@ -200,6 +200,15 @@ def _impure(node):
     return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
 
 
+#: operations that may return their argument's storage without saying so in their schema
+_UNDECLARED_ALIASES = (torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default)
+
+
+def _aliases(node):
+    """Whether ``node``'s value may share its first argument's storage."""
+    return _is_op(node) and (node.target.is_view or node.target in _UNDECLARED_ALIASES)
+
+
 def _written_storages(graph):
     """Every node whose value shares storage with a tensor that an in-place operation
     writes (the written tensor's views' bases, and all views of those): nodes the rewrites
@@ -212,7 +221,7 @@ def _written_storages(graph):
         stack = [arg for arg in node.args if isinstance(arg, torch.fx.Node)]
         while stack:  # back through views to the tensors that own the storage
             current = stack.pop()
-            if _is_op(current) and current.target.is_view and current.args:
+            if _aliases(current) and current.args:
                 stack.extend(a for a in current.args[:1] if isinstance(a, torch.fx.Node))
             else:
                 roots.append(current)
@@ -222,7 +231,7 @@ def _written_storages(graph):
         if current in written:
             continue
         written.add(current)
-        stack.extend(user for user in current.users if _is_op(user) and user.target.is_view)
+        stack.extend(user for user in current.users if _aliases(user))
     return written
 
 

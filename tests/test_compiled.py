@@ -94,9 +94,10 @@ def test_simplified_graphs_give_the_same_bits_with_fewer_nodes():
 
 
 def test_simplify_keeps_what_an_in_place_write_separates():
-    """A copy of a tensor that is written afterwards (``c = b * 1`` before ``b.add_``), and
-    a repeat of an operation whose first result is written (two ``exp``), stay; the idle
-    ``x + 0`` of an unwritten tensor goes."""
+    """A copy of a tensor that is written afterwards (``c = b * 1`` before ``b.add_``, also
+    through ``_unsafe_view``, an alias its schema does not declare), and a repeat of an
+    operation whose first result is written (two ``exp``), stay; the idle ``x + 0`` of an
+    unwritten tensor goes."""
 
     def written_after_copies(x):
         b = x * 2
@@ -105,7 +106,10 @@ def test_simplify_keeps_what_an_in_place_write_separates():
         e1 = x.exp()
         e1.mul_(3)
         e2 = x.exp()
-        return (x + 0) * 5 + c + b + e1 + e2
+        f = x * 3
+        g = f * 1
+        torch.ops.aten._unsafe_view(f, [2, 2]).add_(1)
+        return (x + 0) * 5 + c + b + e1 + e2 + f + g
 
     x = torch.randn(4)
     as_traced, simplified, removed = _traced_twice(written_after_copies, x)
