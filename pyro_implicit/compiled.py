@@ -30,6 +30,7 @@ and recorded in :attr:`CompiledLogDensity.fallback_reason`.
 """
 
 import collections
+import contextlib
 import logging
 import time
 
@@ -389,6 +390,21 @@ def _simplify(graph_module):
     return before - sum(node.op == "call_function" for node in graph.nodes)
 
 
+@contextlib.contextmanager
+def _one_fake_mode():
+    """One fake-tensor mode for the shapes a trace of real tensors records on its nodes:
+    without one in context, ``make_fx`` builds a mode for each node (torch 2.13's
+    ``proxy_tensor.extract_val``), a third of a small model's trace. The graph is the same."""
+    try:
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:  # private names: without them the trace is slower, not different
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
+
+
 class _Uncompilable(Exception):
     """A reason to stay eager."""
 
@@ -561,7 +577,7 @@ class CompiledLogDensity:
         # minibatch's graph: unrolled, the graph grew with the data (a trace of 200
         # minibatches took 18 s), and so would its compilation
         inputs = (u.detach(), *batches[0].values()) if minibatch else (u.detach(),)
-        with pyro.validation_enabled(False):
+        with pyro.validation_enabled(False), _one_fake_mode():
             graph = make_fx(grad_and_value)(*inputs)
         pyro.util.set_rng_state(rng)
         self.stats["rewritten_nodes"] += _select_along_one_dim(graph)
