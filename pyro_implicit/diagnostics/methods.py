@@ -129,10 +129,11 @@ def _build_stein_score(model, mpn, precondition=True):
 
 #: the loss settings of each SVI method (the registry's ``settings``), read by its builder
 _SIVI = {"num_particles": 50, "num_mixing": 100}
-#: 32 draws per step, not LIVI_ELBO's 8: on the stiff benchmark (seeds 0-2, throwaway
-#: probe at 563d451, then ``benchmarks/results/livi_particles.md``) the seed-mean error fell
-#: on seven of eight posteriors (the banana 0.32 -> 0.16 NUTS sds, the centred eight
-#: schools 0.20 -> 0.14) and the energy distance on all eight, for 1.4-1.8x the fit's time
+#: 32 draws per step, not LIVI_ELBO's 8: on the stiff benchmark over seeds 0-5
+#: (``benchmarks/results/livi_particles_automvn_6seeds.md``) the seed-mean error fell on
+#: seven of eight posteriors (the banana 0.34 -> 0.17 NUTS sds, the centred eight schools
+#: 0.18 -> 0.15; Neal's funnel 0.03 -> 0.04) and the energy distance on all eight, and
+#: ``livi`` became no worse than AutoMVN on all eight (``livi_particles_cost.md``: the step)
 _LIVI = {"num_particles": 32, "bound": "det"}
 _GPVI = {"num_particles": 64}
 _ASVGD = {"num_particles": 64}
