@@ -6,31 +6,18 @@ alternating in one process (one thread, float64 as the stiff benchmark runs).
 """
 
 import argparse
-import time
 
 import _provenance
-import pyro
+import compiled_score
 import torch
-from pyro.infer import SVI
 from stiff import MODELS
-
-from pyro_implicit import LIVI_ELBO, LinearizedGuide
 
 
 def step_ms(name, particles, steps, seed):
-    """ms per SVI step after 5 set-up steps."""
+    """ms per SVI step after 5 set-up steps (``compiled_score.time_loss``'s ``livi-fx``:
+    ``LinearizedGuide`` + ``LIVI_ELBO(num_particles=particles, bound="det")``)."""
     model, args, kwargs, mpn = MODELS[name]()
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
-    guide = LinearizedGuide(model)
-    loss = LIVI_ELBO(num_particles=particles, bound="det", max_plate_nesting=mpn)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
-    for _ in range(5):
-        svi.step(*args, **kwargs)
-    start = time.perf_counter()
-    for _ in range(steps):
-        svi.step(*args, **kwargs)
-    return 1000 * (time.perf_counter() - start) / steps
+    return compiled_score.time_loss(model, args, kwargs, mpn, "livi-fx", particles, steps, seed)[0]
 
 
 def main(argv=None):

@@ -292,6 +292,15 @@ _FOLD_MAX_BYTES = 1 << 20
 _FOLD_MAX_TOTAL_BYTES = 1 << 26
 
 
+def _constant_or_stand_in(node, values):
+    """``node``'s folded value, or an uninitialised tensor of its recorded shape, strides,
+    dtype and device (the argument of an operation that reads only those)."""
+    if node in values:
+        return values[node]
+    fake = node.meta["val"]
+    return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+
+
 def _fold_constants(graph_module, written):
     """Compute once what does not depend on the graph's inputs (a prior's parameters
     broadcast, their logarithms and squares; zeros of a fixed shape) and keep the result
@@ -306,22 +315,13 @@ def _fold_constants(graph_module, written):
             continue
         if _impure(node):
             continue
-        inputs = _node_inputs(node)
         shape_of = node.args[0] if node.target in _SHAPE_ONLY else None
-        if not all(a in values or a is shape_of for a in inputs):
+        if not all(a in values or a is shape_of for a in _node_inputs(node)):
             continue
-
-        def value_of(arg):
-            if arg in values:
-                return values[arg]
-            # a stand-in of the recorded shape, strides, dtype and device
-            fake = arg.meta["val"]
-            return torch.empty_strided(
-                fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
-            )
-
         try:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
+            args, kwargs = torch.fx.node.map_arg(
+                (node.args, node.kwargs), lambda arg: _constant_or_stand_in(arg, values)
+            )
             value = node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - what cannot be computed here stays in the graph
             continue
