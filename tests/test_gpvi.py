@@ -217,13 +217,17 @@ def test_skip_generator_explicit_jacobian_matches_autograd(hidden_dims, active_d
     assert torch.allclose(expected.mT.unsqueeze(1) @ solved.unsqueeze(-1), v.unsqueeze(-1))
 
 
+@pytest.mark.parametrize("active_dim", [4, 2], ids=["k=D", "k<D"])
 @pytest.mark.parametrize("independent", [False, True])
-def test_exact_kernel_repulsion_is_the_sum_of_solves(independent):
+def test_exact_kernel_repulsion_is_the_sum_of_solves(independent, active_dim):
     """sum_a J(z'_a)^{-T} grad_{z'_a} k(z'_a, z_b) for each b, against torch.linalg.solve
     with autograd's Jacobian and the kernel's gradient by autograd (a generator whose
-    Jacobian is not symmetric, so J^{-1} in place of J^{-T} fails)."""
+    Jacobian is not symmetric, so J^{-1} in place of J^{-T} fails); k < D takes the
+    k x k (Woodbury) solve."""
     torch.manual_seed(0)
-    gen = SkipGenerator(4, hidden_dims=(6,), activation="tanh", skip_scale=0.7).double()
+    gen = SkipGenerator(
+        4, active_dim=active_dim, hidden_dims=(6,), activation="tanh", skip_scale=0.7
+    ).double()
     z_score = torch.randn(5, 4, dtype=torch.float64)
     z = torch.randn(3, 4, dtype=torch.float64) if independent else z_score
     kernel = RBFKernel()
@@ -240,6 +244,52 @@ def test_exact_kernel_repulsion_is_the_sum_of_solves(independent):
             expected[b] += torch.linalg.solve(jac.mT, grad)
     got = exact_kernel_repulsion(gen, z_score, z, dk)
     assert torch.allclose(got, expected, atol=1e-10)
+
+
+def test_low_rank_solve_matches_the_dense_inverse_at_bnn_like_shapes():
+    """k < D through the k x k block against the float64 solve with the formed D x D
+    Jacobian, in float32 (the dtype of a fit), a skip scale other than 1 and a Jacobian
+    block far from the identity."""
+    torch.manual_seed(1)
+    gen = SkipGenerator(40, active_dim=9, hidden_dims=(16, 16), skip_scale=0.6).float()
+    with torch.no_grad():
+        gen.net.output.weight.mul_(3.0)
+    z, v = torch.randn(6, 40, dtype=torch.float32), torch.randn(6, 5, 40, dtype=torch.float32)
+    jac = gen.jacobian(z).detach().double()
+    expected = torch.linalg.solve(jac.mT.unsqueeze(1), v.double().unsqueeze(-1)).squeeze(-1)
+    got = exact_inverse_jvp(gen, z, v)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+
+
+def test_auto_solves_exactly_above_64_with_the_skip_generator():
+    """Above D = 64 ``exact_jacobian="auto"`` takes the k x k solve for the skip generator
+    (no helper network is built); ``exact_jacobian=False`` still trains the paper's
+    helper."""
+    dim = 70
+
+    def model():
+        pyro.sample("x", dist.Normal(torch.zeros(dim), 1.0).to_event(1))
+
+    for exact, built in (("auto", False), (False, True)):
+        pyro.clear_param_store()
+        guide = ImplicitGuide(model, generator=gpvi_generator())
+        loss = GPVI_ELBO(8, exact_jacobian=exact)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss)
+        assert torch.isfinite(torch.tensor(svi.step()))
+        assert guide.generator.active_dim < dim
+        assert (loss.helper is not None) is built
+
+
+def test_singular_low_rank_block_is_rejected():
+    """J = lambda I + [U | 0] is singular exactly when lambda I_k + U[:k]^T is: the k x k
+    solve raises the error naming the invertible generator."""
+    gen = SkipGenerator(5, active_dim=2, hidden_dims=(), skip_scale=1.0)
+    with torch.no_grad():
+        gen.net.output.weight.zero_()
+        gen.net.output.weight[:2].copy_(-torch.eye(2))  # U[:k] = -I: the block is 0
+    with pytest.raises(ValueError, match="gpvi_generator"):
+        exact_inverse_jvp(gen, torch.randn(3, 5), torch.randn(3, 2, 5))
 
 
 def test_gpvi_generator_option_trains():

@@ -16,7 +16,11 @@ and pulls it back to the parameters by the chain rule (eq. 4),
 The repulsive term needs :math:`J_f(z')^{-\top} v` for every pair of the two batches. A
 *helper network* :math:`h_\eta(z'^{(:k)}, v)` estimates it (eq. 9) and is trained online by
 one least-squares step per generator step (eqs. 10-11); ``exact_jacobian=True`` forms
-:math:`J_f` and solves instead (the paper's "GPVI Exact Jac", App. D.1).
+:math:`J_f` and solves instead (the paper's "GPVI Exact Jac", App. D.1). The default
+solves exactly wherever that is cheap: up to D = 64, and at any D for the skip generator
+below with k < D, whose :math:`J_f = \lambda I + [\partial g/\partial z^{(:k)} \mid 0]`
+(eq. 7) inverts through a k x k system by the Woodbury identity
+(:mod:`pyro_implicit.elbo.inverse_jacobian`); the helper is then an option.
 
 **Transpose.** Eqs. (5), (8) and (10) print :math:`J_f^{-1} v` and :math:`J_f h`, but the
 proof (App. A.1, index form) and eq. (11) give :math:`J_f^{-\top} v` and the residual
@@ -64,6 +68,7 @@ from .inverse_jacobian import (
     _pairs,
     exact_inverse_jvp,
     exact_kernel_repulsion,
+    has_low_rank_jacobian,
     helper_residual,
 )
 from .livi import jacobian
@@ -161,15 +166,18 @@ class GPVI_ELBO(_FunctionalGradientELBO):
 
     Costs per step: one model run on N particles, O(N^2 D) memory for V, and for the helper
     N^2 forward and double-backward passes of the generator (``exact_jacobian``: N
-    Jacobians, O(N D^3); small D only; the paper found it less accurate in 5-D, Table 5).
+    Jacobians, O(N D^3); with :func:`gpvi_generator`'s k < D, O(N k^3 + N^2 k D) through the
+    Woodbury identity; the paper found the exact solve less accurate in 5-D, Table 5).
 
     :param int num_particles: N, the size of each noise batch (paper: 100 for the toy
         tasks, 10 for large BNNs).
     :param exact_jacobian: ``True``: solve with the formed Jacobian; ``False``: the
-        paper's helper network; ``"auto"`` (default): the exact solve up to
-        D = 64 (where it costs little and needs no helper to catch up with the
-        generator: with the helper at its paper learning rate a 2000-step fit of a 5-D
-        Gaussian stayed under-dispersed), the helper beyond.
+        paper's helper network; ``"auto"`` (default): the exact solve up to D = 64
+        (where it costs little and needs no helper to catch up with the generator: with
+        the helper at its paper learning rate a 2000-step fit of a 5-D Gaussian stayed
+        under-dispersed) and at any D for :func:`gpvi_generator`'s skip generator with
+        k < D (solved through its k x k block, ``exact_inverse_jvp``), the helper
+        otherwise.
     :param int helper_hidden: H, the helper's branch width (default ``clip(4 D, 10,
         512)``; the paper's tables use 10 for D = 3 up to 512-544).
     :param int helper_layers: helper layers after the concatenation (paper: 3).
@@ -254,7 +262,7 @@ class GPVI_ELBO(_FunctionalGradientELBO):
 
     def _exact(self, gen):
         if self.exact_jacobian == "auto":
-            return gen.out_dim <= _EXACT_MAX_DIM
+            return gen.out_dim <= _EXACT_MAX_DIM or has_low_rank_jacobian(gen)
         return self.exact_jacobian
 
     # -------------------------------------------------------------- guide checks

@@ -290,13 +290,20 @@ class SkipGenerator(nn.Module):
     def forward(self, noise):
         return self.net(noise[..., : self.active_dim]) + self.skip_scale * noise
 
+    def head_jacobian(self, noise):
+        r""":math:`\partial g / \partial z^{(:k)}` at every row of ``noise``, ``(..., D,
+        k)``: the non-zero block of eq. 7 (:meth:`MLPGenerator.jacobian`, layer by layer).
+        With k < D, GPVI's exact solve inverts :math:`J_f` through it (a k x k system per
+        row, :func:`~pyro_implicit.elbo.inverse_jacobian.exact_inverse_jvp`)."""
+        return self.net.jacobian(noise[..., : self.active_dim])
+
     def jacobian(self, noise):
         r"""Eq. 7's :math:`J_f` at every row of ``noise``, ``(..., D, D)``: g's layer-by-layer
-        Jacobian (:meth:`MLPGenerator.jacobian`) padded with zeros, plus
-        :math:`\lambda I`. Differentiable with respect to the parameters; GPVI's exact
-        solve and :func:`~pyro_implicit.elbo.livi.jacobian` use it instead of D
-        forward-mode products through the network."""
-        jac = self.net.jacobian(noise[..., : self.active_dim])  # (..., D, k)
+        Jacobian (:meth:`head_jacobian`) padded with zeros, plus :math:`\lambda I`.
+        Differentiable with respect to the parameters; GPVI's exact solve and
+        :func:`~pyro_implicit.elbo.livi.jacobian` use it instead of D forward-mode
+        products through the network."""
+        jac = self.head_jacobian(noise)  # (..., D, k)
         if self.active_dim < self.noise_dim:
             jac = nn.functional.pad(jac, (0, self.noise_dim - self.active_dim))
         eye = torch.eye(self.out_dim, dtype=jac.dtype, device=jac.device)
