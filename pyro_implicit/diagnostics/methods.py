@@ -209,9 +209,8 @@ _REGISTRY = (
         loss="KernelRatioELBO",
     ),
     Method(
-        "ImplicitGuide + SteinScoreELBO() (400 particles up to 64 latent dimensions, 200 up "
-        "to 100, 100 beyond: the Gaussian of the draws plus a Stein residual with an IMQ "
-        "kernel)",
+        "ImplicitGuide + SteinScoreELBO() (200 particles up to 100 latent dimensions, 100 "
+        "beyond: the Gaussian of the draws plus a Stein residual with an IMQ kernel)",
         1e-2,
         _build_stein_score,
         paper="Stein gradient estimator: Li & Turner, ICLR 2018 (with a Gaussian control)",

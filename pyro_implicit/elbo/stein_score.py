@@ -102,12 +102,14 @@ DEFAULT_RIDGE = 0.003
 #: posteriors (stochastic volatility 0.48 -> 0.26 NUTS sds), and on eight schools longer
 #: training no longer widens ``tau`` (``benchmarks/results/stein_particles.md``). On the
 #: Boston BNN (D = 752) 200 draws took 1.8-1.9x the step for the same test log-likelihood
-#: (``bnn_stein_particles.md``). 400 up to D = 64: with 200, stochastic volatility (D = 33)
-#: trained 5000 steps with ``compare``'s decaying rate ended further from NUTS than after
-#: 2000 (0.238 -> 0.369 sds, seeds 0-2, ``benchmarks/results/longer_sv_decay.md``): the
-#: residual's finite-sample bias, which the decaying rate lets the fit settle into; with
-#: 400 it ended 0.190 off (``stein_particles400.md``).
-AUTO_PARTICLES = ((400, 64), (200, 100), (100, math.inf))
+#: (``bnn_stein_particles.md``). 400 up to D = 64 was tried and not adopted
+#: (``stein_particles400.md``): with 200, stochastic volatility (D = 33) trained 5000
+#: steps with ``compare``'s decaying rate ends further from NUTS than after 2000 (0.238 ->
+#: 0.369 sds, seeds 0-2, ``longer_sv_decay.md``), with 400 it ends 0.190 off (0.171 after
+#: 2000); but under the stiff benchmark's constant ``Adam(1e-2)`` 400 draws leave it worse
+#: than AutoMVN there (0.275 against 0.246 after 2000 steps; 0.196 with 200), for twice the
+#: step. Pass ``num_particles=400`` for long fits with a decaying rate.
+AUTO_PARTICLES = ((200, 100), (100, math.inf))
 
 
 def stein_residual_score(y, ridge=0.01, kernel=None):
@@ -227,15 +229,15 @@ class SteinScoreELBO(KernelRatioELBO):
                   SteinScoreELBO())
 
     :param num_particles: draws per step; all enter the log-joint and the score estimate.
-        ``"auto"`` (default): 400 where the model has at most 64 latent coordinates, 200
-        up to 100, 100 beyond (:func:`default_num_particles`, fixed on the first step for
-        each model and guide; :attr:`num_particles` reads 400 until then). More draws let
-        the kernel see a funnel's neck and a heavy tail: with 100 and the RBF kernel,
-        longer training widened eight schools' ``tau`` and stochastic volatility ended
-        0.48 NUTS sds off (0.26 with 200, 0.24 with 300:
-        ``benchmarks/results/stein_particles.md``); with the IMQ kernel 300 did not pay
-        over 200 at 2000 steps (``stein_imq_particles300.md``), but with 200 longer
-        training moved stochastic volatility further off (:data:`AUTO_PARTICLES`).
+        ``"auto"`` (default): 200 where the model has at most 100 latent coordinates,
+        100 beyond (:func:`default_num_particles`, fixed on the first step for each model
+        and guide; :attr:`num_particles` reads 200 until then). More draws let the
+        kernel see a funnel's neck and a heavy tail: with 100 and the RBF kernel, longer
+        training widened eight schools' ``tau`` and stochastic volatility ended 0.48 NUTS
+        sds off (0.26 with 200, 0.24 with 300: ``benchmarks/results/stein_particles.md``);
+        with the IMQ kernel 300 did not pay over 200 at 2000 steps
+        (``stein_imq_particles300.md``). For long fits with a decaying rate pass 400
+        (:data:`AUTO_PARTICLES`: with 200 such a fit of stochastic volatility drifts off).
     :param float ridge: :math:`\eta` of the kernel ridge regression (default
         :data:`DEFAULT_RIDGE`). Larger shrinks the residual towards 0, i.e. towards the
         Gaussian upper bound, which lets q grow too wide; smaller lets the residual's
