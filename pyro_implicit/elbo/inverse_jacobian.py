@@ -94,7 +94,7 @@ def has_low_rank_jacobian(generator):
     Jacobian the exact solve inverts through a k x k system (:func:`exact_inverse_jvp`)."""
     k = getattr(generator, "active_dim", None)
     return (
-        callable(getattr(generator, "head_jacobian", None))
+        callable(getattr(generator, "head_jacobian_factors", None))
         and k is not None
         and k < generator.out_dim
         and getattr(generator, "skip_scale", 0.0) > 0
@@ -114,9 +114,11 @@ def _inverse_transposes(generator, z):
 
 
 def _low_rank_factors(generator, z):
-    r"""``(U, C)`` with :math:`U_a = \partial g / \partial z^{(:k)}` at row a of ``z``,
-    ``(A, D, k)``, and :math:`C_a = (\lambda I_k + U_a^{(:k)\top})^{-1}`, ``(A, k, k)``
-    (inverted in float64), for a skip generator with k < D.
+    r"""``(L, W, C)`` for a skip generator with k < D: :math:`U_a = \partial g / \partial
+    z^{(:k)}` at row a of ``z`` in factors, :math:`U_a^\top = L_a W^\top` (L ``(A, k, h)``,
+    W ``(D, h)``, or ``None`` for the identity with h = D:
+    ``SkipGenerator.head_jacobian_factors``), and :math:`C_a = (\lambda I_k +
+    U_a^{(:k)\top})^{-1}`, ``(A, k, k)`` (inverted in float64).
 
     :math:`J_a^\top = \lambda I_D + E U_a^\top` with E the first k columns of
     :math:`I_D` (eq. 7), so by the Woodbury identity
@@ -128,21 +130,29 @@ def _low_rank_factors(generator, z):
     """
     k = generator.active_dim
     with torch.no_grad():
-        u = generator.head_jacobian(z.detach())  # (A, D, k)
-        eye = torch.eye(k, dtype=torch.float64, device=u.device)
+        left, right = generator.head_jacobian_factors(z.detach())
+        block = left[..., :k] if right is None else left @ right[:k].mT  # U_a^(:k)T
+        eye = torch.eye(k, dtype=torch.float64, device=left.device)
         try:
-            c = torch.linalg.inv(generator.skip_scale * eye + u[:, :k, :].mT.to(torch.float64))
+            c = torch.linalg.inv(generator.skip_scale * eye + block.to(torch.float64))
         except torch.linalg.LinAlgError as e:
             raise ValueError(_SINGULAR) from e
-    return u, c.to(u.dtype)
+    return left, right, c.to(left.dtype)
 
 
-def _low_rank_solve(generator, u, c, x):
+def _low_rank_head(factors, x):
+    r""":math:`C_a U_a^\top x`: ``(A, k, B)`` for ``x`` ``(A, B, D)`` (a batch per row) or
+    ``(B, D)`` (the same batch for every row)."""
+    left, right, c = factors
+    y = x if right is None else x @ right  # W^T x: (A, B, h) or (B, h)
+    return c @ (left @ y.mT)
+
+
+def _low_rank_solve(generator, factors, x):
     r""":math:`J_a^{-\top} x_{ab}` for ``x`` ``(A, B, D)`` from :func:`_low_rank_factors`."""
     k = generator.active_dim
-    head = c @ (u.mT @ x.mT)  # C_a U_a^T x_ab, (A, k, B)
     out = x.clone()
-    out[..., :k] -= head.mT
+    out[..., :k] -= _low_rank_head(factors, x).mT
     return out / generator.skip_scale
 
 
@@ -162,7 +172,8 @@ def exact_inverse_jvp(generator, z, v):
     """
     v = v.detach()
     if has_low_rank_jacobian(generator):
-        return _low_rank_solve(generator, *_low_rank_factors(generator, z), v)
+        with torch.no_grad():
+            return _low_rank_solve(generator, _low_rank_factors(generator, z), v)
     # one inverse per noise point, then a batched product for its B vectors: 2-3x faster
     # on the CPU than torch's batched solve with B right-hand sides (D = 10-40, B = 100)
     return (_inverse_transposes(generator, z) @ v.mT).mT
@@ -180,7 +191,8 @@ def exact_kernel_repulsion(generator, z_score, z, dk):
     the bracket one ``(B, A) x (A, D^2)`` product; for a skip generator with k < D
     (:func:`_low_rank_factors`) the bracket applied to :math:`z_b` is
     :math:`(\sum_a \partial_r k_{ab}\, z_b - E \sum_a \partial_r k_{ab}\, C_a U_a^\top
-    z_b) / \lambda`, one ``(A, k, D) x (D, B)`` product. The same vectors as
+    z_b) / \lambda`, one ``(A, k, h) x (h, B)`` product after :math:`W^\top z_b`. The same
+    vectors as
     ``exact_inverse_jvp(generator, z_score, v).sum(0)`` to rounding; GPVI's step on a
     40-coordinate hierarchical regression at 100 particles 13.5 -> 12.2 ms
     (``benchmarks/results/gpvi_repulsion.md``). Not differentiable.
@@ -195,11 +207,11 @@ def exact_kernel_repulsion(generator, z_score, z, dk):
     dk, z_score, z = dk.detach(), z_score.detach(), z.detach()
     if has_low_rank_jacobian(generator):
         k, lam = generator.active_dim, generator.skip_scale
-        u, c = _low_rank_factors(generator, z_score)
+        factors = _low_rank_factors(generator, z_score)
         with torch.no_grad():
-            own = _low_rank_solve(generator, u, c, z_score.unsqueeze(1)).squeeze(1)
+            own = _low_rank_solve(generator, factors, z_score.unsqueeze(1)).squeeze(1)
             # sum_a dk_ab J_a^{-T} z_b = (sum_a dk_ab z_b - E sum_a dk_ab C_a U_a^T z_b) / lam
-            head = c @ (u.mT @ z.mT)  # (A, k, B)
+            head = _low_rank_head(factors, z)  # (A, k, B)
             mixed = dk.sum(0).unsqueeze(-1) * z
             mixed[:, :k] -= torch.einsum("ab,akb->bk", dk, head)
             return 2.0 * (dk.mT @ own - mixed / lam)

@@ -290,6 +290,19 @@ class SkipGenerator(nn.Module):
     def forward(self, noise):
         return self.net(noise[..., : self.active_dim]) + self.skip_scale * noise
 
+    def head_jacobian_factors(self, noise):
+        r"""``(L, W)`` with :math:`\partial g / \partial z^{(:k)} = W L^\top` at every row
+        of ``noise``: L ``(..., k, width)`` the transposed Jacobian of g's last hidden layer
+        and W ``(D, width)`` g's output weight (:meth:`MLPGenerator.hidden_jacobian`), or
+        ``(head_jacobian(noise).mT, None)`` for an affine g. GPVI's k x k solve works
+        with the factors: it never forms the D x k block (at D = 752, k = 92 and 512-wide
+        layers that product was half of the solve's arithmetic)."""
+        head = noise[..., : self.active_dim]
+        left = None if self.net.skip else self.net.hidden_jacobian(head)
+        if left is None:
+            return self.head_jacobian(noise).mT, None
+        return left, self.net.output.weight
+
     def head_jacobian(self, noise):
         r""":math:`\partial g / \partial z^{(:k)}` at every row of ``noise``, ``(..., D,
         k)``: the non-zero block of eq. 7 (:meth:`MLPGenerator.jacobian`, layer by layer).

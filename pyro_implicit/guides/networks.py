@@ -165,16 +165,11 @@ class MLPGenerator(nn.Module):
         head = out[..., :k] + self.skip_scale * noise[..., :k]
         return torch.cat([head, out[..., k:]], dim=-1)
 
-    def jacobian(self, noise):
-        r"""The Jacobian :math:`\partial u / \partial \epsilon` at every row of ``noise``,
-        ``(..., out_dim, noise_dim)``, built layer by layer
-        (:math:`J = W_L\,\mathrm{diag}(a'_{L-1})\,W_{L-1} \cdots \mathrm{diag}(a'_1)\,W_1`)
-        and differentiable with respect to the parameters.
-
-        Used by :func:`pyro_implicit.elbo.livi.jacobian` in place of automatic
-        differentiation in :math:`\epsilon`: the same matrix at a fraction of the cost of
-        batched forward-mode products (which carry their own autograd graph).
-        """
+    def hidden_jacobian(self, noise):
+        r"""The last hidden layer's Jacobian in the noise, transposed, at every row of
+        ``noise``: ``(..., noise_dim, width)``, or ``None`` for an affine generator (no
+        hidden layer). :meth:`jacobian` is ``output.weight @ hidden_jacobian(noise).mT``
+        (plus the skip's identity block); differentiable with respect to the parameters."""
         derivative = _DERIVATIVES[self.activation]
         # built transposed, (..., noise_dim, width): each layer's product is then one
         # matrix product over every row (rows x W^T), not a batch of small ones (a 40 x 40
@@ -189,6 +184,19 @@ class MLPGenerator(nn.Module):
             # matrix product (matmul batches a strided one instead)
             jac_t = weight_t.contiguous() if jac_t is None else jac_t @ weight_t
             jac_t = jac_t * derivative(pre, h).unsqueeze(-2)
+        return jac_t
+
+    def jacobian(self, noise):
+        r"""The Jacobian :math:`\partial u / \partial \epsilon` at every row of ``noise``,
+        ``(..., out_dim, noise_dim)``, built layer by layer
+        (:math:`J = W_L\,\mathrm{diag}(a'_{L-1})\,W_{L-1} \cdots \mathrm{diag}(a'_1)\,W_1`)
+        and differentiable with respect to the parameters.
+
+        Used by :func:`pyro_implicit.elbo.livi.jacobian` in place of automatic
+        differentiation in :math:`\epsilon`: the same matrix at a fraction of the cost of
+        batched forward-mode products (which carry their own autograd graph).
+        """
+        jac_t = self.hidden_jacobian(noise)
         weight = self.output.weight
         if jac_t is None:  # an affine generator: the same J for every row
             jac = weight.expand(noise.shape[:-1] + weight.shape)
