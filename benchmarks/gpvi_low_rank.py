@@ -126,7 +126,7 @@ def main(argv=None):
         "| helper built |",
         "|---|---|---:|---:|---|---:|---:|---|",
     ]
-    for pair in args.fits.split(","):
+    for pair in filter(None, args.fits.split(",")):  # --fits "": the step's cost alone
         key, pre = pair.split(":")
         name = f"{'raw blr' if key == 'raw_blr' else 'blr'} D={args.dim}"
         for seed in seeds:
