@@ -7,7 +7,9 @@ on the Boston BNN (D = 752) they cost more than the model does (the fast-steps i
 minibatches of 100 rows, ``Adam(lr)``) with each loss's defaults at each generator width,
 and reports ms per step (set-up steps excluded) and the test RMSE and log-likelihood (500
 predictive draws) after ``--steps`` steps; ``autonormal`` (AutoNormal + Trace_ELBO with as
-many vectorised particles) is the mean-field reference.
+many vectorised particles) is the mean-field reference; ``gpvi`` is
+``ImplicitGuide(generator=gpvi_generator())`` with ``GPVI_ELBO`` (its exact solve through
+the skip generator's k x k block).
 
 Usage::
 
@@ -25,11 +27,13 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_implicit import ImplicitGuide, KernelRatioELBO, SteinScoreELBO
+from pyro_implicit import GPVI_ELBO, ImplicitGuide, KernelRatioELBO, SteinScoreELBO
 from pyro_implicit.bnn import BNNRegression
 from pyro_implicit.datasets import load_uci
+from pyro_implicit.elbo.gpvi import gpvi_generator
 
-LOSSES = {"kivi": KernelRatioELBO, "stein_score": SteinScoreELBO}
+#: ``gpvi``: ``ImplicitGuide(generator=gpvi_generator())`` (the width is g's)
+LOSSES = {"kivi": KernelRatioELBO, "stein_score": SteinScoreELBO, "gpvi": GPVI_ELBO}
 SETUP_STEPS = 5
 
 
@@ -44,7 +48,10 @@ def fit(method, width, seed, steps, lr, particles, split_index):
         loss = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
     else:
         widths = {} if width == "default" else {"hidden_dims": (int(width), int(width))}
-        guide = ImplicitGuide(bnn, **widths)
+        if method == "gpvi":
+            guide = ImplicitGuide(bnn, generator=gpvi_generator(**widths))
+        else:
+            guide = ImplicitGuide(bnn, **widths)
         loss = LOSSES[method](num_particles=particles, max_plate_nesting=1)
     svi = SVI(bnn, guide, pyro.optim.Adam({"lr": lr}), loss)
     for _ in range(SETUP_STEPS):  # preconditioner, vectorisation check, trace
