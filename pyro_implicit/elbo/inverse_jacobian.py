@@ -157,13 +157,14 @@ def _low_rank_solve(generator, factors, x):
 
 
 def exact_inverse_jvp(generator, z, v):
-    r""":math:`J_f(z_a)^{-\top} v_{ab}` by forming the Jacobian and solving (GPVI "Exact
-    Jac", App. D.1). Not differentiable.
+    r""":math:`J_f(z_a)^{-\top} v_{ab}` by a linear solve with the generator's Jacobian
+    (GPVI "Exact Jac", App. D.1). Not differentiable.
 
     A skip generator with k < D (eq. 6) is solved through its k x k block
-    (:func:`_low_rank_factors`, the Woodbury identity): :math:`O(A k^3 + A B D k)` instead
-    of :math:`O(A D^3 + A B D^2)`, which makes the exact solve affordable at BNN sizes.
-    Any other generator: one D x D inverse per noise point.
+    (:func:`_low_rank_factors`, the Woodbury identity): one k x k inverse per noise point
+    and products through the Jacobian's k non-zero columns, in factors, instead of a D x D
+    inverse and :math:`O(A B D^2)` products, which makes the exact solve affordable at
+    BNN sizes. Any other generator: one D x D inverse per noise point.
 
     :param generator: ``(..., D) -> (..., D)``, row-wise.
     :param torch.Tensor z: ``(A, D)``.
@@ -192,8 +193,7 @@ def exact_kernel_repulsion(generator, z_score, z, dk):
     (:func:`_low_rank_factors`) the bracket applied to :math:`z_b` is
     :math:`(\sum_a \partial_r k_{ab}\, z_b - E \sum_a \partial_r k_{ab}\, C_a U_a^\top
     z_b) / \lambda`, one ``(A, k, h) x (h, B)`` product after :math:`W^\top z_b`. The same
-    vectors as
-    ``exact_inverse_jvp(generator, z_score, v).sum(0)`` to rounding; GPVI's step on a
+    vectors as ``exact_inverse_jvp(generator, z_score, v).sum(0)`` to rounding; GPVI's step on a
     40-coordinate hierarchical regression at 100 particles 13.5 -> 12.2 ms
     (``benchmarks/results/gpvi_repulsion.md``). Not differentiable.
 
