@@ -281,6 +281,27 @@ def test_auto_solves_exactly_above_64_with_the_skip_generator():
         assert (loss.helper is not None) is built
 
 
+def test_default_above_64_keeps_an_exact_gaussian_posterior():
+    """The default GPVI fit of a 70-coefficient Bayesian linear regression (k = 65 < D:
+    the k x k solve) against its exact posterior: it starts at the preconditioner's
+    Gaussian, the exact answer here, and 300 steps of ``Adam(1e-2)`` must keep it there
+    (a wrong repulsion moves it: its sign flipped, the sds collapse)."""
+    from pyro_implicit.targets.conjugate import linear_regression, score_draws
+
+    problem = linear_regression((1.0,) * 70)
+    guide = ImplicitGuide(problem.model, generator=gpvi_generator())
+    loss = GPVI_ELBO()
+    svi = SVI(problem.model, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
+    for _ in range(300):
+        svi.step(*problem.args)
+    assert guide.generator.active_dim < 70 and loss.helper is None
+    with torch.no_grad():
+        score = score_draws(guide.sample_posterior(4000)[problem.site], problem.posterior)
+    assert score["mean_error"] < 0.2, score
+    assert 0.85 <= score["sd_ratio_min"] and score["sd_ratio_max"] <= 1.15, score
+    assert score["correlation_error"] < 0.1, score
+
+
 def test_singular_low_rank_block_is_rejected():
     """J = lambda I + [U | 0] is singular exactly when lambda I_k + U[:k]^T is: the k x k
     solve raises the error naming the invertible generator."""
