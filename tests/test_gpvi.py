@@ -285,7 +285,9 @@ def test_default_above_64_keeps_an_exact_gaussian_posterior():
     """The default GPVI fit of a 70-coefficient Bayesian linear regression (k = 65 < D:
     the k x k solve) against its exact posterior: it starts at the preconditioner's
     Gaussian, the exact answer here, and 300 steps of ``Adam(1e-2)`` must keep it there
-    (a wrong repulsion moves it: its sign flipped, the sds collapse)."""
+    (with the repulsion's cross term of the wrong sign it fails). g starts near zero and
+    stays small on a Gaussian target, so the k x k correction itself is small here: the
+    solve tests above check it."""
     from pyro_implicit.targets.conjugate import linear_regression, score_draws
 
     problem = linear_regression((1.0,) * 70)
