@@ -147,7 +147,46 @@ def test_conditional_log_prob_is_the_gaussian_density(conditional):
         assert "conditional_log_scale" in dict(guide.named_buffers())
 
 
-@pytest.mark.parametrize("conditional", ["diagonal", "full"])
+def test_mixed_conditional_is_the_gaussian_density_of_each_draw():
+    # psi = (mu, rho): q(u | psi) = N(u; mu, diag(sigma^2 exp(2 rho))), per mixing draw
+    guide = SemiImplicitGuide(shapes_model, precondition=False, conditional="mixed")
+    guide()
+    dim = guide.latent_dim
+    with torch.no_grad():
+        guide.conditional_log_scale.copy_(0.3 * torch.randn(dim))
+    u, psi = torch.randn(6, 1, dim), torch.randn(4, 2 * dim)
+    scale = (guide.conditional_log_scale + psi[:, dim:]).exp()
+    expected = dist.Normal(psi[:, :dim], scale).log_prob(u).sum(-1)  # (6, 4)
+    assert torch.allclose(guide.conditional_log_prob(u, psi), expected, atol=1e-5)
+    assert torch.allclose(guide.pairwise_conditional_log_prob(u[:, 0], psi), expected, atol=1e-4)
+    # u given a fixed psi = T(eps) scatters about mu with the draw's own scales
+    eps = torch.randn(1, guide.mixing_noise_dim).expand(20000, -1)
+    with torch.no_grad():
+        draws = guide._latent_from_noise(torch.cat([eps, torch.randn(20000, dim)], -1))
+        psi0 = guide.mixing(eps[0])
+        scale0 = (guide.conditional_log_scale + psi0[dim:]).exp()
+    assert psi0.shape == (2 * dim,)
+    assert torch.allclose(draws.mean(0), psi0[:dim], atol=0.03)
+    assert torch.allclose(draws.std(0), scale0, rtol=0.05)
+    with pytest.raises(ValueError, match="scale per mixing draw"):
+        guide.conditional_scale_tril()
+
+
+def test_mixed_conditional_starts_at_its_scale_with_small_offsets():
+    # q starts as with the diagonal conditional: log-scale offsets centred at 0, a tenth
+    # as spread as the locations (which start at a tenth of init_scale)
+    guide = SemiImplicitGuide(gamma_poisson, conditional="mixed", init_scale=0.5)
+    guide(COUNTS)
+    with torch.no_grad():
+        psi = guide.sample_mixing(20000)
+    loc, rho = psi[:, :1], psi[:, 1:]
+    assert loc.std().item() == pytest.approx(0.05, rel=0.1)
+    assert rho.std().item() == pytest.approx(0.005, rel=0.1)
+    assert abs(rho.mean().item()) < 0.002
+    assert guide.conditional_log_scale.exp().item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("conditional", ["diagonal", "full", "mixed"])
 def test_constrained_sites_and_one_training_step(conditional):
     guide = SemiImplicitGuide(shapes_model, conditional=conditional)
     loss = SVI(
@@ -266,6 +305,33 @@ def test_constant_mixing_is_vanilla_vi_exactly():
     expected = log_joint - (dist.Normal(1.2, sigma).log_prob(u) - u)
     for value in terms.values():
         assert torch.allclose(value, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_constant_mixed_draws_are_vanilla_vi_exactly():
+    # T(eps) = (mu0, rho0) for all eps: every component is N(mu0, (sigma e^rho0)^2), so the
+    # SIVI terms are the plain ELBO terms of that Gaussian, for any K
+    guide = SemiImplicitGuide(gamma_poisson, precondition=False, conditional="mixed")
+    guide(COUNTS)
+    with torch.no_grad():
+        guide.mixing_net.output.weight.zero_()
+        guide.mixing_net.output.bias.copy_(torch.tensor([1.2, -0.7]))
+    scale = guide.conditional_log_scale.exp().item() * math.exp(-0.7)
+    elbo = SIVI_ELBO(num_particles=6, max_plate_nesting=1, check_vectorization=False)
+    terms = []
+    for k in (0, 5):
+        pyro.set_rng_seed(7)
+        terms.append(elbo.bound_terms(gamma_poisson, guide, COUNTS, num_particles=6, num_mixing=k))
+    pyro.set_rng_seed(7)
+    with torch.no_grad(), pyro.plate("particles", 6, dim=-2):
+        trace = poutine.trace(guide).get_trace(COUNTS)
+    u = trace.nodes[f"_{guide._pyro_name}_latent"]["value"].reshape(6)
+    rate = u.exp()
+    log_joint = dist.Gamma(2.0, 1.0).log_prob(rate) + dist.Poisson(rate[:, None]).log_prob(
+        COUNTS
+    ).sum(-1)
+    expected = log_joint - (dist.Normal(1.2, scale).log_prob(u) - u)
+    for value in terms:
+        assert torch.allclose(value, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_reach_the_extra_mixing_draws():

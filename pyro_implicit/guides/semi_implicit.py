@@ -13,7 +13,11 @@ so the marginal :math:`h_\phi(u) = \mathbb E_{\psi} q_\xi(u \mid \psi)` has no c
 the conditional is an explicit, reparameterised Gaussian: :math:`u = \psi + \Sigma_\xi^{1/2}
 \eta`, :math:`\eta \sim \mathcal N(0, I_D)`. The mixing draw :math:`\psi` is the location of
 the conditional (the paper mixes only the location; the covariance :math:`\xi` is a plain
-learned parameter, Sec. 3.3 and 5.4).
+learned parameter, Sec. 3.3 and 5.4). With ``conditional="mixed"`` the mixing layer also
+gives each draw its conditional's log-scale, :math:`\psi = (\mu, \rho)` and
+:math:`q(u \mid \psi) = \mathcal N(\mu, \mathrm{diag}(\sigma^2 e^{2\rho}))`: the
+general :math:`q_\xi(u \mid \psi)` of eq. 2, with the scale mixed too, so that q can
+narrow where the posterior does (a funnel's neck).
 
 Trace layout (in addition to the base layout):
 
@@ -37,11 +41,14 @@ from torch import nn
 
 from ..kernels import squared_distances
 from .base import ImplicitAutoGuide
-from .networks import MLPGenerator
+from .networks import MLPGenerator, _stored
 
 __all__ = ["SemiImplicitGuide"]
 
-_CONDITIONALS = ("diagonal", "full", "fixed")
+_CONDITIONALS = ("diagonal", "full", "fixed", "mixed")
+
+#: spread of the mixed log-scale offsets rho at the start, against the locations' spread
+_LOG_SCALE_SPREAD = 0.1
 
 # The paper's mixing layers (Table in digest Sec. 5): 10-dim noise and [30, 60, 30] for the
 # low-dimensional targets of Sec. 5.1-5.2; 50-dim noise and [100, 200, 100] for Bayesian
@@ -53,6 +60,18 @@ _PAIRING_HINT = (
     "Train a SemiImplicitGuide with SIVI_ELBO (the paper's surrogate bound) or with "
     "KernelRatioELBO (which only samples it)"
 )
+
+
+@torch.no_grad()
+def _shrink_outputs(net, rows, factor):
+    """Multiply the spread of ``net``'s outputs ``rows`` by ``factor`` about their mean
+    over a probe batch of noise (the bias is moved so that mean stays)."""
+    noise = torch.randn(
+        512, net.noise_dim, dtype=net.output.bias.dtype, device=net.output.bias.device
+    )
+    before = net(noise)[:, rows].mean(0)
+    _stored(net.output)[rows].mul_(factor)
+    net.output.bias[rows] += before - net(noise)[:, rows].mean(0)
 
 
 class SemiImplicitGuide(ImplicitAutoGuide):
@@ -90,8 +109,11 @@ class SemiImplicitGuide(ImplicitAutoGuide):
     :param str conditional: the conditional covariance :math:`\Sigma_\xi`:
         ``"diagonal"`` (learned :math:`\mathrm{diag}(\sigma^2)`, default), ``"full"``
         (learned :math:`LL^\top`, lower-triangular L with positive diagonal; the paper's
-        "SIVI-full" for BLR) or ``"fixed"`` (constant :math:`\sigma_0^2 I`, the paper's
-        toys, Sec. 5.1, where :math:`\sigma_0^2 = 0.1`).
+        "SIVI-full" for BLR), ``"fixed"`` (constant :math:`\sigma_0^2 I`, the paper's
+        toys, Sec. 5.1, where :math:`\sigma_0^2 = 0.1`) or ``"mixed"``
+        (:math:`\mathrm{diag}(\sigma^2 e^{2\rho(\epsilon)})`: the mixing layer gives each
+        draw a log-scale offset :math:`\rho` beside its location, so :math:`\psi =
+        (\mu, \rho)` has 2D entries and the scale is mixed too; not the paper's).
     :param float conditional_scale: initial :math:`\sigma` (the constant
         :math:`\sigma_0` for ``"fixed"``). Default ``init_scale / sqrt(2)`` without a
         preconditioner, ``init_scale`` with one.
@@ -159,7 +181,9 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         hidden = self._hidden_dims
         if hidden is None:
             hidden = _SMALL_HIDDEN if small else _LARGE_HIDDEN
-        net = MLPGenerator(g, dim, hidden, self._activation, scaled=self._scaled_keyword())
+        mixed = self.conditional == "mixed"
+        out_dim = 2 * dim if mixed else dim
+        net = MLPGenerator(g, out_dim, hidden, self._activation, scaled=self._scaled_keyword())
         net = net.to(dtype=init_loc.dtype, device=init_loc.device)
         if self.whitened:
             # start at the preconditioner's Gaussian: the conditional carries the spread,
@@ -169,7 +193,15 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         else:
             mixing_scale = self._init_scale / math.sqrt(2)
             sigma = self._conditional_scale_arg or self._init_scale / math.sqrt(2)
-        net.init_output(init_loc, mixing_scale)
+        if mixed:
+            # the log-scale offsets rho start centred at 0 (the conditional's sigma), a
+            # tenth as spread as the locations
+            net.init_output(
+                torch.cat([init_loc.reshape(-1), init_loc.new_zeros(dim)]), mixing_scale
+            )
+            _shrink_outputs(net, slice(dim, None), _LOG_SCALE_SPREAD)
+        else:
+            net.init_output(init_loc, mixing_scale)
         self.mixing_net = net
         # plain ints: read on every call, kept off PyroModule's attribute machinery
         self.mixing_noise_dim = int(g)
@@ -194,8 +226,15 @@ class SemiImplicitGuide(ImplicitAutoGuide):
     # ------------------------------------------------------------------ the two layers
     def mixing(self, eps):
         r"""The mixing layer :math:`\psi = T_\phi(\epsilon)`: ``(..., g)`` noise to
-        ``(..., D)`` conditional means :math:`\mu(\psi) = \psi` (with autograd graph)."""
+        ``(..., D)`` conditional means :math:`\mu(\psi) = \psi` (with autograd graph);
+        for ``conditional="mixed"``, ``(..., 2D)``: the means, then the log-scale offsets
+        :math:`\rho`."""
         return self.mixing_net(eps)
+
+    def _mixed_loc_log_scale(self, psi):
+        r""":math:`(\mu, \log\sigma + \rho)` of a mixed ``psi`` ``(..., 2D)``."""
+        dim = self.latent_dim
+        return psi[..., :dim], self.conditional_log_scale + psi[..., dim:]
 
     def sample_mixing(self, num_samples):
         r"""Draw ``(num_samples, D)`` independent mixing values :math:`\psi^{(k)}` (with
@@ -207,6 +246,12 @@ class SemiImplicitGuide(ImplicitAutoGuide):
 
     def conditional_scale_tril(self):
         r"""Lower-triangular :math:`L` with :math:`\Sigma_\xi = L L^\top` (``(D, D)``)."""
+        if self.conditional == "mixed":
+            raise ValueError(
+                "conditional='mixed' has a scale per mixing draw, not one Sigma_xi: read "
+                "the scales of draws psi = guide.mixing(eps) as "
+                "(guide.conditional_log_scale + psi[..., D:]).exp()"
+            )
         scale = self.conditional_log_scale.exp()
         if self.conditional == "full":
             return self.conditional_tril.tril(-1) + scale.diag()
@@ -226,12 +271,14 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         white = torch.linalg.solve_triangular(tril, flat, upper=False)
         return white.T.reshape(x.shape)
 
-    def _log_normaliser(self):
+    def _log_normaliser(self, log_scale=None):
         # log det L + (D/2) log 2 pi: must be included, since xi is learned (pitfall 3);
         # plus log |det| of the preconditioner: the density is of u = m + L_pre z
+        if log_scale is None:
+            log_scale = self.conditional_log_scale
         dim = self.conditional_log_scale.shape[-1]
         return (
-            self.conditional_log_scale.sum()
+            log_scale.sum(-1)
             + 0.5 * dim * math.log(2 * math.pi)
             + self.preconditioner.log_abs_det()
         )
@@ -245,6 +292,10 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         :return: tensor of the broadcast leading shape.
         """
         z = self.preconditioner.whiten(u)
+        if self.conditional == "mixed":
+            loc, log_scale = self._mixed_loc_log_scale(psi)
+            white = (z - loc) * torch.exp(-log_scale)
+            return -0.5 * white.pow(2).sum(-1) - self._log_normaliser(log_scale)
         white = self._whiten(z - psi)
         return -0.5 * white.pow(2).sum(-1) - self._log_normaliser()
 
@@ -257,10 +308,23 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         :param torch.Tensor psi: ``(M, D)``.
         """
         z = self.preconditioner.whiten(u)
+        if self.conditional == "mixed":
+            loc, log_scale = self._mixed_loc_log_scale(psi)
+            precision = torch.exp(-2.0 * log_scale)  # (M, D)
+            # sum_d (z_nd - loc_md)^2 w_md expanded: three (N, M) products, no (N, M, D)
+            d2 = (
+                (z * z) @ precision.mT
+                - 2.0 * z @ (loc * precision).mT
+                + (loc * loc * precision).sum(-1)
+            ).clamp(min=0.0)
+            return -0.5 * d2 - self._log_normaliser(log_scale)
         d2 = squared_distances(self._whiten(z), self._whiten(psi))
         return -0.5 * d2 - self._log_normaliser()
 
     def _conditional_sample(self, psi, eta):
+        if self.conditional == "mixed":
+            loc, log_scale = self._mixed_loc_log_scale(psi)
+            return loc + eta * log_scale.exp()
         if self.conditional == "full":
             return psi + eta @ self.conditional_scale_tril().T
         return psi + eta * self.conditional_log_scale.exp()
