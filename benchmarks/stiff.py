@@ -728,6 +728,12 @@ def _reference_line(meta):
 OUR_METHODS = ("kivi", "stein_score", "sivi", "livi", "gpvi", "asvgd", "wsvgd")
 PYRO_METHODS = ("autonormal", "automvn", "autoiaf")
 ALL_METHODS = OUR_METHODS + PYRO_METHODS
+#: benchmark-only variants of our methods, not in ``all``: name -> (the method whose loss
+#: and settings they take, their guide's keywords)
+VARIANTS = {
+    "sivi_diagonal": ("sivi", {"conditional": "diagonal"}),
+    "sivi_mixed": ("sivi", {"conditional": "mixed"}),
+}
 
 
 class NotAvailable(Exception):
@@ -761,7 +767,8 @@ def build_method(method, model, mpn, optim, precondition):
     if method in _AUTOGUIDES:
         loss = Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=mpn)
         return "svi", _AUTOGUIDES[method](model), loss
-    spec = METHODS[method]
+    base, guide_kwargs = VARIANTS.get(method, (method, {}))
+    spec = METHODS[base]
     extra = [optim] if spec.kind == "particles" else []
     if _accepts(spec.build, "precondition"):
         built = spec.build(model, mpn, *extra, precondition=precondition)
@@ -771,7 +778,10 @@ def build_method(method, model, mpn, optim, precondition):
         built = spec.build(model, mpn, *extra)
     if spec.kind == "particles":
         return "particles", built, None
-    return "svi", *built
+    guide, loss = built
+    if guide_kwargs:
+        guide = type(guide)(model, precondition=precondition, **guide_kwargs)
+    return "svi", guide, loss
 
 
 def method_description(method):
@@ -780,6 +790,10 @@ def method_description(method):
             f"{_AUTOGUIDES[method].__name__} + Trace_ELBO(num_particles=8, "
             "vectorize_particles=True)"
         )
+    if method in VARIANTS:
+        base, guide_kwargs = VARIANTS[method]
+        keywords = ", ".join(f"{k}={v!r}" for k, v in guide_kwargs.items())
+        return f"{METHODS[base].description}; the guide with {keywords}"
     return METHODS[method].description
 
 
@@ -915,7 +929,8 @@ def fit_one(
         optim = PlateauDecay(optim)
     # a particle method's particles are the draws: averaging each particle's path would
     # shrink the cloud, so only the guides' parameters are averaged
-    average = average and (method in _AUTOGUIDES or METHODS[method].kind != "particles")
+    base = VARIANTS.get(method, (method,))[0]
+    average = average and (method in _AUTOGUIDES or METHODS[base].kind != "particles")
     row["average"] = average
     if average:
         optim = Averaged(optim)
@@ -1118,13 +1133,14 @@ def markdown(record):
 # ---------------------------------------------------------------------------------------
 
 
-def _choices(value, allowed, what):
+def _choices(value, allowed, what, variants=()):
     if value == "all":
         return list(allowed)
     names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in names if v not in allowed]
+    known = list(allowed) + list(variants)
+    unknown = [v for v in names if v not in known]
     if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; choose from: {', '.join(allowed)} or all")
+        raise SystemExit(f"unknown {what} {unknown}; choose from: {', '.join(known)} or all")
     return names
 
 
@@ -1162,7 +1178,11 @@ def main(argv=None):
         default=None,
         help=f"comma-separated, or all (default: all; --quick: {','.join(QUICK_MODELS)})",
     )
-    p.add_argument("--methods", default="all", help=f"comma-separated from {ALL_METHODS}, or all")
+    p.add_argument(
+        "--methods",
+        default="all",
+        help=f"comma-separated from {ALL_METHODS} (or the variants {tuple(VARIANTS)}), or all",
+    )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--precondition", choices=["off", "on", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
@@ -1272,7 +1292,7 @@ def main(argv=None):
     if args.quick:
         args.steps = min(args.steps, 200)
         args.draws = min(args.draws, 500)
-    methods = _choices(args.methods, ALL_METHODS, "methods")
+    methods = _choices(args.methods, ALL_METHODS, "methods", variants=tuple(VARIANTS))
     switch = {"off": [False], "on": [True], "both": [False, True]}[args.precondition]
     references = {name: load_reference(name) for name in models}
     commit, dirty = git_commit()
