@@ -357,16 +357,20 @@ def test_sivi_traced_path_matches_the_pyro_traces():
     from pyro_implicit.elbo.sivi import linear_schedule
 
     eight_schools, subsampled_problem = _eight_schools_and_subsampled()
+    def mixed(model, **options):  # the scale mixed too: psi has 2D entries
+        return SemiImplicitGuide(model, conditional="mixed", **options)
+
     cases = [
-        (eight_schools, {}),
-        (subsampled_problem, {}),
-        (eight_schools, {"schedule": linear_schedule(0, 20, 20)}),
+        (eight_schools, {}, SemiImplicitGuide),
+        (subsampled_problem, {}, SemiImplicitGuide),
+        (eight_schools, {"schedule": linear_schedule(0, 20, 20)}, SemiImplicitGuide),
+        (eight_schools, {}, mixed),
     ]
-    for problem, extra in cases:
+    for problem, extra, guide_cls in cases:
         loss = _assert_traced_path_matches(
             SIVI_ELBO,
             *problem,
-            guide_cls=SemiImplicitGuide,
+            guide_cls=guide_cls,
             num_particles=8,
             num_mixing=10,
             **extra,
