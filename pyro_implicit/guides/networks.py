@@ -103,6 +103,18 @@ def _rescale_to_spread(module, scale_param, bias_param, loc, scale, num_probe=No
     bias_param.copy_(loc.reshape(bias_param.shape) - offset)
 
 
+@torch.no_grad()
+def shrink_output_rows(module, rows, factor):
+    """Multiply the spread of a generator's outputs ``rows`` by ``factor`` about their
+    mean over a probe batch of noise (the bias moves so that the mean stays), e.g. to
+    start some outputs nearly constant."""
+    bias = module.output.bias
+    noise = torch.randn(512, module.noise_dim, dtype=bias.dtype, device=bias.device)
+    before = module(noise)[:, rows].mean(0)
+    _stored(module.output)[rows].mul_(factor)
+    bias[rows] += before - module(noise)[:, rows].mean(0)
+
+
 #: the values of :class:`MLPGenerator`'s ``scaled``
 SCALED_LAYERS = (False, True, "ntk")
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..kernels import squared_distances
 from .base import ImplicitAutoGuide
-from .networks import MLPGenerator, _stored
+from .networks import MLPGenerator, shrink_output_rows
 
 __all__ = ["SemiImplicitGuide"]
 
@@ -60,18 +60,6 @@ _PAIRING_HINT = (
     "Train a SemiImplicitGuide with SIVI_ELBO (the paper's surrogate bound) or with "
     "KernelRatioELBO (which only samples it)"
 )
-
-
-@torch.no_grad()
-def _shrink_outputs(net, rows, factor):
-    """Multiply the spread of ``net``'s outputs ``rows`` by ``factor`` about their mean
-    over a probe batch of noise (the bias is moved so that mean stays)."""
-    noise = torch.randn(
-        512, net.noise_dim, dtype=net.output.bias.dtype, device=net.output.bias.device
-    )
-    before = net(noise)[:, rows].mean(0)
-    _stored(net.output)[rows].mul_(factor)
-    net.output.bias[rows] += before - net(noise)[:, rows].mean(0)
 
 
 class SemiImplicitGuide(ImplicitAutoGuide):
@@ -204,7 +192,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
             net.init_output(
                 torch.cat([init_loc.reshape(-1), init_loc.new_zeros(dim)]), mixing_scale
             )
-            _shrink_outputs(net, slice(dim, None), _LOG_SCALE_SPREAD)
+            shrink_output_rows(net, slice(dim, None), _LOG_SCALE_SPREAD)
         else:
             net.init_output(init_loc, mixing_scale)
         self.mixing_net = net
@@ -242,8 +230,9 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         return psi[..., :dim], self.conditional_log_scale + psi[..., dim:]
 
     def sample_mixing(self, num_samples):
-        r"""Draw ``(num_samples, D)`` independent mixing values :math:`\psi^{(k)}` (with
-        autograd graph to :math:`\phi`); SIVI's extra draws."""
+        r"""Draw ``(num_samples, D)`` independent mixing values :math:`\psi^{(k)}`
+        (``(num_samples, 2D)`` for ``conditional="mixed"``), with autograd graph to
+        :math:`\phi`; SIVI's extra draws."""
         self._check_ready()
         ref = self.conditional_log_scale
         eps = torch.randn(num_samples, self.mixing_noise_dim, dtype=ref.dtype, device=ref.device)
@@ -310,7 +299,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         of the :math:`O(NMD)` of broadcasting :meth:`conditional_log_prob`.
 
         :param torch.Tensor u: ``(N, D)``.
-        :param torch.Tensor psi: ``(M, D)``.
+        :param torch.Tensor psi: ``(M, D)`` (``(M, 2D)`` for ``conditional="mixed"``).
         """
         z = self.preconditioner.whiten(u)
         if self.conditional == "mixed":
