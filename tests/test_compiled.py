@@ -357,6 +357,7 @@ def test_sivi_traced_path_matches_the_pyro_traces():
     from pyro_implicit.elbo.sivi import linear_schedule
 
     eight_schools, subsampled_problem = _eight_schools_and_subsampled()
+
     def mixed(model, **options):  # the scale mixed too: psi has 2D entries
         return SemiImplicitGuide(model, conditional="mixed", **options)
 
