@@ -160,7 +160,7 @@ def three_d_model():
 
 @pytest.mark.parametrize("precondition", [False, True])
 def test_semi_implicit_density_with_a_point_mixing_is_exact(precondition):
-    guide = SemiImplicitGuide(three_d_model, precondition=precondition)
+    guide = SemiImplicitGuide(three_d_model, precondition=precondition, conditional="diagonal")
     guide()
     psi = torch.tensor([0.2, -0.1, 0.4])
     guide.mixing_net = Constant(psi)

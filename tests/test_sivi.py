@@ -95,8 +95,9 @@ def gaussian_kl(m1, s1, m2, s2):
 
 # --------------------------------------------------------------------------- guide contract
 def test_trace_layout_and_mixing_site():
+    # the paper's layout: psi is the location alone (the mixed layout: test_mixed_*)
     y = torch.randn(5)
-    guide = SemiImplicitGuide(normal_normal, precondition=False)
+    guide = SemiImplicitGuide(normal_normal, precondition=False, conditional="diagonal")
     trace = poutine.trace(guide).get_trace(y)
     name = guide._pyro_name
     noise = trace.nodes[f"_{name}_noise"]
@@ -312,10 +313,11 @@ def test_constant_mixing_is_vanilla_vi_exactly(conditional):
         assert torch.allclose(value, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_gradients_reach_the_extra_mixing_draws():
+@pytest.mark.parametrize("conditional, width", [("diagonal", 1), ("mixed", 2)])
+def test_gradients_reach_the_extra_mixing_draws(conditional, width):
     # The paper differentiates through all psi, including the K extra draws (no detach).
     y = torch.randn(5)
-    guide = SemiImplicitGuide(normal_normal)
+    guide = SemiImplicitGuide(normal_normal, conditional=conditional)
     guide(y)
     extra = []
     sample_mixing = guide.sample_mixing
@@ -329,7 +331,7 @@ def test_gradients_reach_the_extra_mixing_draws():
     guide.sample_mixing = recording
     elbo = SIVI_ELBO(num_particles=4, num_mixing=9, max_plate_nesting=1)
     elbo.differentiable_loss(normal_normal, guide, y).backward()
-    assert extra[-1].shape == (9, 1)
+    assert extra[-1].shape == (9, width)  # D = 1: psi = mu, or (mu, rho) when mixed
     assert extra[-1].grad is not None and extra[-1].grad.abs().sum() > 0
     for name, p in guide.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
@@ -368,7 +370,9 @@ def test_bounds_are_ordered_around_the_exact_elbo():
     # guide: L_0 < L_5 < L_20 < L < Lbar_20 < Lbar_5, L_200 <= L <= Lbar_200 (within
     # standard errors) and L <= log p(x). Lbar_K bounds L, not log p(x) (Prop. 3).
     model, x, y, mean, cov, log_evidence = blr_problem(d=2, n=10)
-    guide = SemiImplicitGuide(model, precondition=False, hidden_dims=(), init_scale=0.5)
+    guide = SemiImplicitGuide(
+        model, precondition=False, hidden_dims=(), init_scale=0.5, conditional="diagonal"
+    )
     elbo = fit(
         model,
         guide,

@@ -14,7 +14,8 @@ preconditioner (:mod:`pyro_implicit.latent`; ``precondition=False`` fits in the 
   preconditioner's Gaussian as the ratio's contrast.
   (``"implicit"`` until 0.1: ambiguous, as ``"gpvi"`` and ``"asvgd"`` use
   ``ImplicitGuide`` too.)
-* ``"sivi"``: :class:`~pyro_implicit.guides.SemiImplicitGuide` trained with
+* ``"sivi"``: :class:`~pyro_implicit.guides.SemiImplicitGuide` (its default, mixed
+  conditional: the mixing layer sets each draw's scale too) trained with
   :class:`~pyro_implicit.elbo.SIVI_ELBO` ``(num_particles=50, num_mixing=100)`` (the SIVI
   paper's settings).
 * ``"livi"``: :class:`~pyro_implicit.guides.LinearizedGuide` trained with
