@@ -193,8 +193,9 @@ def _loss_pair(model, mpn, name, particles):
             loss = LIVI_ELBO(
                 num_particles=particles, bound=bound, max_plate_nesting=mpn, compile=compile
             )
-        elif method == "sivi":
-            guide = SemiImplicitGuide(model)
+        elif method in ("sivi", "sividiag"):
+            conditional = "diagonal" if method == "sividiag" else "mixed"
+            guide = SemiImplicitGuide(model, conditional=conditional)
             loss = SIVI_ELBO(
                 num_particles=particles, num_mixing=100, max_plate_nesting=mpn, compile=compile
             )
@@ -272,7 +273,7 @@ def _recording_graphs():
 LOSSES = ("autonormal", "gpvi-eager", "gpvi-fx", "asvgd-eager", "asvgd-fx")
 
 #: ``--only-losses``: the implicit losses whose traced path skips the guide's trace too
-METHODS = ("kivi", "stein", "asvgd", "gpvi", "sivi", "livi", "livisvd")
+METHODS = ("kivi", "stein", "asvgd", "gpvi", "sivi", "sividiag", "livi", "livisvd")
 KERNEL_LOSSES = ("autonormal",) + tuple(
     f"{m}-{b}" for m in METHODS for b in ("eager", "fx", "inductor")
 )
@@ -371,7 +372,8 @@ def main_losses(args, command, commit):
         "ImplicitGuide + AmortizedSVGD_ELBO(), `gpvi` = ImplicitGuide(generator="
         "gpvi_generator()) + GPVI_ELBO() (on the BNN, D = 752, the exact solve through the "
         "skip generator's 92 x 92 block), "
-        "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100), `livi` = LinearizedGuide + "
+        "`sivi` = SemiImplicitGuide + SIVI_ELBO(num_mixing=100) (its default, mixed conditional "
+        "since f4cc951; `sividiag`: `conditional='diagonal'`), `livi` = LinearizedGuide + "
         "LIVI_ELBO() (`bound='det'`, whole Jacobians), `livisvd` = the same with "
         "`bound='svd'` (LOBPCG, no whole Jacobian: the BNN setting); "
         "`-fx`: after the "
