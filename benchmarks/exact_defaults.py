@@ -73,6 +73,10 @@ VARIANTS = {
         SemiImplicitGuide(m, precondition=p, conditional="mixed"),
         SIVI_ELBO(),
     ),
+    "sivi_diagonal": lambda m, p: (
+        SemiImplicitGuide(m, precondition=p, conditional="diagonal"),
+        SIVI_ELBO(),
+    ),
 }
 
 #: the bar every (problem, method) must pass

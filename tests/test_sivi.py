@@ -19,6 +19,7 @@ from pyro_implicit.datasets import data_dir
 from pyro_implicit.elbo.sivi import SIVI_ELBO, linear_schedule
 from pyro_implicit.guides.base import IMPLICIT_FLAG, ImplicitDelta
 from pyro_implicit.guides.semi_implicit import SemiImplicitGuide
+from pyro_implicit.latent import Preconditioner
 from pyro_implicit.targets.sivi import SIVI_TOY_TARGETS, toy_distribution, toy_model
 
 
@@ -146,6 +147,17 @@ def test_conditional_log_prob_is_the_gaussian_density(conditional):
         )
     if conditional == "fixed":
         assert "conditional_log_scale" in dict(guide.named_buffers())
+
+
+def test_default_conditional_is_mixed_with_a_preconditioner_and_the_papers_without():
+    # the raw space keeps the paper's location-only mixing: per-draw log-scales with no
+    # unit scale to start from can run away there
+    assert SemiImplicitGuide(normal_normal).conditional == "mixed"
+    pre = Preconditioner(torch.zeros(1), scale_tril=torch.eye(1))
+    assert SemiImplicitGuide(normal_normal, precondition=pre).conditional == "mixed"
+    assert SemiImplicitGuide(normal_normal, precondition=False).conditional == "diagonal"
+    explicit = SemiImplicitGuide(normal_normal, precondition=False, conditional="mixed")
+    assert explicit.conditional == "mixed"
 
 
 def test_mixed_conditional_is_the_gaussian_density_of_each_draw():

@@ -95,21 +95,26 @@ class SemiImplicitGuide(ImplicitAutoGuide):
     :param str activation: activation of :math:`T_\phi` (the paper does not say; the
         authors' code uses ReLU, the default).
     :param str conditional: the conditional covariance :math:`\Sigma_\xi`:
-        ``"mixed"`` (default; :math:`\mathrm{diag}(\sigma^2 e^{2\rho(\epsilon)})`: the
-        mixing layer gives each draw a log-scale offset :math:`\rho` beside its location,
-        so :math:`\psi = (\mu, \rho)` has 2D entries and the scale is mixed too: eq. 2's
+        ``"mixed"`` (:math:`\mathrm{diag}(\sigma^2 e^{2\rho(\epsilon)})`: the mixing layer
+        gives each draw a log-scale offset :math:`\rho` beside its location, so
+        :math:`\psi = (\mu, \rho)` has 2D entries and the scale is mixed too: eq. 2's
         general :math:`q_\xi(u \mid \psi)`, not the paper's experiments), ``"diagonal"``
-        (learned :math:`\mathrm{diag}(\sigma^2)`, the paper's location-only mixing; the
-        default until 2026-11-28), ``"full"`` (learned :math:`LL^\top`, lower-triangular L with
-        positive diagonal; the paper's "SIVI-full" for BLR) or ``"fixed"`` (constant
-        :math:`\sigma_0^2 I`, the paper's toys, Sec. 5.1, where :math:`\sigma_0^2 =
-        0.1`). Why "mixed" is the default: over 12 seeds of the stiff benchmark it is no
+        (learned :math:`\mathrm{diag}(\sigma^2)`, the paper's location-only mixing),
+        ``"full"`` (learned :math:`LL^\top`, lower-triangular L with positive diagonal; the
+        paper's "SIVI-full" for BLR) or ``"fixed"`` (constant :math:`\sigma_0^2 I`, the
+        paper's toys, Sec. 5.1, where :math:`\sigma_0^2 = 0.1`). Default (``None``):
+        ``"mixed"`` with a preconditioner, ``"diagonal"`` with ``precondition=False`` (the
+        paper's raw space and its conditional; until 2026-11-28 always ``"diagonal"``).
+        Why "mixed" with a preconditioner: over 12 seeds of the stiff benchmark it is no
         worse than ``AutoMultivariateNormal`` on all eight posteriors, "diagonal" on
         seven (it misses stochastic volatility), and its energy distance to NUTS is lower
         on six of eight (the centred eight schools 0.105 -> 0.035, Neal's funnel 0.204 ->
         0.014); its largest mean error is a little higher on six (the GP 0.076 -> 0.093
-        sds, Neal's funnel 0.043 -> 0.140): ``docs/choosing_settings.md``,
-        ``benchmarks/results/sivi_mixed_12seeds.md``.
+        sds, Neal's funnel 0.043 -> 0.140). Why not in the raw space: there the per-draw
+        log-scales have no unit scale to start from and can run away (on a raw-unit
+        regression to :math:`e^{20}`, and the fit diverged), and on a correlated BLR it
+        ended 0.46 sds off where "diagonal" passed (0.16): ``docs/choosing_settings.md``,
+        ``benchmarks/results/sivi_mixed_12seeds.md``, ``exact_defaults_sivi_raw.json``.
     :param float conditional_scale: initial :math:`\sigma` (the constant
         :math:`\sigma_0` for ``"fixed"``). Default ``init_scale / sqrt(2)`` without a
         preconditioner, ``init_scale`` with one.
@@ -141,7 +146,7 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         mixing_noise_dim=None,
         hidden_dims=None,
         activation="relu",
-        conditional="mixed",
+        conditional=None,
         conditional_scale=None,
         init_loc_fn=init_to_median,
         init_scale=None,
@@ -149,6 +154,8 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         precondition=True,
         parametrization="auto",
     ):
+        if conditional is None:
+            conditional = "diagonal" if precondition is False else "mixed"
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
         if mixing_noise_dim is not None and mixing_noise_dim < 1:
