@@ -23,7 +23,7 @@ LOSSES = (
 #: the table's rows: (guide class name, row heading)
 GUIDES = (
     ("ImplicitGuide", "`ImplicitGuide`: `u = g(eps)`, MLP or KIVI's matrix generator"),
-    ("SemiImplicitGuide", "`SemiImplicitGuide`: `psi = T(eps)`, `u ~ N(psi, Sigma)`"),
+    ("SemiImplicitGuide", "`SemiImplicitGuide`: `psi = T(eps)`, `u ~ N(mu(psi), Sigma(psi))`"),
     ("LinearizedGuide", "`LinearizedGuide`: `u = g(z) + sigma xi`"),
     ("AutoNormal", "Pyro's `AutoNormal` and other reparameterised guides"),
 )
