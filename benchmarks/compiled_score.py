@@ -194,8 +194,9 @@ def _loss_pair(model, mpn, name, particles):
                 num_particles=particles, bound=bound, max_plate_nesting=mpn, compile=compile
             )
         elif method in ("sivi", "sividiag"):
-            conditional = "diagonal" if method == "sividiag" else "mixed"
-            guide = SemiImplicitGuide(model, conditional=conditional)
+            # `sivi` keeps the guide's default conditional; `sividiag` the paper's
+            options = {"conditional": "diagonal"} if method == "sividiag" else {}
+            guide = SemiImplicitGuide(model, **options)
             loss = SIVI_ELBO(
                 num_particles=particles, num_mixing=100, max_plate_nesting=mpn, compile=compile
             )
