@@ -111,8 +111,8 @@ class SemiImplicitGuide(ImplicitAutoGuide):
         on six of eight (the centred eight schools 0.105 -> 0.035, Neal's funnel 0.204 ->
         0.014); its largest mean error is a little higher on six (the GP 0.076 -> 0.093
         sds, Neal's funnel 0.043 -> 0.140). Why not in the raw space: there the per-draw
-        log-scales have no unit scale to start from and can run away (on a raw-unit
-        regression to :math:`e^{20}`, and the fit diverged), and on a correlated BLR it
+        log-scales have no unit scale to start from and can run away (a raw-unit
+        regression's fit diverged), and on a correlated BLR it
         ended 0.46 sds off where "diagonal" passed (0.16): ``docs/choosing_settings.md``,
         ``benchmarks/results/sivi_mixed_12seeds.md``, ``exact_defaults_sivi_raw.json``.
     :param float conditional_scale: initial :math:`\sigma` (the constant
