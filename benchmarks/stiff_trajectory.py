@@ -153,8 +153,14 @@ def report(paths, markdown):
     for path in paths:
         blob = json.load(open(path))
         s, gold = blob["settings"], blob["result"]["gold"]
+        if s["lr_decay"] is None:
+            schedule = "Adam, constant rate"
+        elif s["lr_decay"] == 1.0:
+            schedule = "ClippedAdam, constant rate"
+        else:
+            schedule = f"ClippedAdam, rate decayed to {s['lr_decay']} x"
         lines += [
-            f"## {s['model']}, {s['method']}, seed {s['seed']}"
+            f"## {s['model']}, {s['method']}, seed {s['seed']}, {schedule}"
             + (f", {', '.join(s['loss_set'])}" if s["loss_set"] else ""),
             "",
             f"`{blob['command']}` (commit {blob['commit']}, {blob['utc']}); lr {s['lr']}"

@@ -108,7 +108,10 @@ DEFAULT_RIDGE = 0.003
 #: 0.369 sds, seeds 0-2, ``longer_sv_decay.md``), with 400 it ends 0.190 off (0.171 after
 #: 2000); but under the stiff benchmark's constant ``Adam(1e-2)`` 400 draws leave it worse
 #: than AutoMVN there (0.275 against 0.246 after 2000 steps; 0.196 with 200), for twice the
-#: step. Pass ``num_particles=400`` for long fits with a decaying rate.
+#: step. Pass ``num_particles=400`` for long fits with a decaying rate. What drifts: q slides
+#: into the volatility path's funnel neck (its draws' mean log-joint climbs far above the
+#: posterior's while their Gaussian's entropy stays flat); 400 draws slow that, they do not
+#: stop it (``benchmarks/results/stiff_trajectory_sv.md``).
 AUTO_PARTICLES = ((200, 100), (100, math.inf))
 
 
