@@ -147,6 +147,40 @@ def run(args):
     }
 
 
+def null_statistics(models, sizes, subsets, out=None, header=""):
+    """The U-statistic of KSD^2 of random subsets of each model's gold draws (``subsets``
+    of each size in ``sizes``, in the coordinates ``stiff.diagnostics`` uses): what exact
+    draws read, to set a fit's readings against."""
+    import statistics
+
+    lines = [
+        "# The KSD^2 U-statistic of exact draws: random subsets of the gold NUTS draws",
+        "",
+        header,
+        "",
+        "| model | draws | mean | sd | min | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in models:
+        reference, _ = stiff.load_reference(name)
+        total = next(iter(reference.values())).shape[0]
+        g = torch.Generator().manual_seed(0)
+        for size in sizes:
+            values = []
+            for _ in range(subsets):
+                idx = torch.randperm(total, generator=g)[:size]
+                sub = {k: v[idx] for k, v in reference.items()}
+                values.append(stiff.diagnostics(name, sub)["ksd_squared_unbiased"])
+            lines.append(
+                f"| {name} | {size} | {statistics.mean(values):.4f} | "
+                f"{statistics.stdev(values):.4f} | {min(values):.4f} | {max(values):.4f} |"
+            )
+            print(lines[-1], flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def report(paths, markdown):
     """One table per file (its command, commit and settings above it)."""
     lines = ["# Stiff fits scored along their training", ""]
@@ -207,6 +241,13 @@ def main(argv=None):
         "kernel.bandwidth_factor=0.5",
     )
     parser.add_argument("--out")
+    parser.add_argument(
+        "--null",
+        help="instead of a fit: the KSD^2 U-statistic of random subsets of the gold draws "
+        "of these models (comma-separated, or all)",
+    )
+    parser.add_argument("--null-draws", default="200,500", help="subset sizes for --null")
+    parser.add_argument("--null-subsets", type=int, default=10)
     parser.add_argument("--report", nargs="+", help="result files to tabulate")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -214,6 +255,16 @@ def main(argv=None):
         return report(args.report, args.markdown)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
+    if args.null:
+        models = sorted(stiff.MODELS) if args.null == "all" else args.null.split(",")
+        sizes = [int(n) for n in args.null_draws.split(",")]
+        record = _provenance.provenance(__file__, argv, vars(args))
+        header = (
+            f"`{record['command']}` (commit {record['commit']}, {record['utc']}); "
+            f"{args.null_subsets} subsets per size, in the coordinates of each model's "
+            "automatic preconditioner (as `stiff.py --diagnostics`)."
+        )
+        return null_statistics(models, sizes, args.null_subsets, args.out, header)
     record = _provenance.provenance(__file__, argv, vars(args))
     record["result"] = run(args)
     if args.out:
