@@ -34,6 +34,35 @@ def _setting(value):
         return value
 
 
+def add_loss_set_argument(parser):
+    """The ``--loss-set NAME=VALUE`` option (repeatable) of the trajectory scripts."""
+    parser.add_argument(
+        "--loss-set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an attribute of the built loss or of one of its parts (a number, none or a "
+        "string), e.g. stein_identity=mean or kernel.bandwidth_factor=0.5",
+    )
+
+
+def apply_loss_settings(loss, settings):
+    """Apply ``--loss-set`` items to ``loss``: a dotted name reaches into its parts
+    (``kernel.bandwidth_factor``: the loss's kernel's), and a count stays an int."""
+    for setting in settings:
+        name, value = setting.split("=", 1)
+        *path, attribute = name.split(".")
+        owner = loss
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, attribute):
+            raise SystemExit(f"--loss-set: {type(owner).__name__} has no attribute {attribute!r}")
+        value = _setting(value)
+        if isinstance(getattr(owner, attribute), int) and isinstance(value, float):
+            value = int(value)
+        setattr(owner, attribute, value)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="kivi")
@@ -43,14 +72,7 @@ def main(argv=None):
     parser.add_argument("--nuts-samples", type=int, default=1000)
     parser.add_argument("--nuts-warmup", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--loss-set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set an attribute of the built loss or of one of its parts (a number, none or a "
-        "string), e.g. stein_identity=mean or kernel.bandwidth_factor=0.5",
-    )
+    add_loss_set_argument(parser)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -77,15 +99,7 @@ def main(argv=None):
     pyro.set_rng_seed(args.seed)
     optim = pyro.optim.ClippedAdam({"lr": spec.lr, "lrd": 0.1 ** (1.0 / args.steps)})
     guide, loss = spec.build(call[0], model.max_plate_nesting, precondition=True)
-    for setting in args.loss_set:
-        name, value = setting.split("=", 1)
-        *path, attribute = name.split(".")  # kernel.bandwidth_factor: the loss's kernel's
-        owner = loss
-        for part in path:
-            owner = getattr(owner, part)
-        if not hasattr(owner, attribute):
-            raise SystemExit(f"--loss-set: {type(owner).__name__} has no attribute {attribute!r}")
-        setattr(owner, attribute, _setting(value))
+    apply_loss_settings(loss, args.loss_set)
     svi = SVI(call[0], guide, optim, loss)
     rows = []
     for step in range(1, args.steps + 1):

@@ -33,7 +33,7 @@ import _provenance
 import pyro
 import stiff
 import torch
-from compare_trajectory import _setting
+from compare_trajectory import add_loss_set_argument, apply_loss_settings
 from pyro.infer import SVI
 
 from pyro_implicit.diagnostics.metrics import compare_samples
@@ -61,19 +61,6 @@ def surrogate_parts(space, draws, args, kwargs):
     return float(log_p.mean()), float(h_gauss)
 
 
-def _set(loss, assignments):
-    for item in assignments:
-        name, value = item.split("=", 1)
-        *path, attr = name.split(".")
-        obj = loss
-        for part in path:
-            obj = getattr(obj, part)
-        value = _setting(value)
-        if isinstance(getattr(obj, attr, None), int) and isinstance(value, float):
-            value = int(value)  # a count stays a count
-        setattr(obj, attr, value)
-
-
 def run(args):
     model_fn = stiff.MODELS[args.model]
     model, margs, mkwargs, mpn = model_fn()
@@ -94,7 +81,7 @@ def run(args):
         )
     kind, obj, loss = stiff.build_method(args.method, model, mpn, optim, True)
     if loss is not None:
-        _set(loss, args.loss_set)
+        apply_loss_settings(loss, args.loss_set)
     step = obj.step if kind == "particles" else SVI(model, obj, optim, loss).step
     shapes = stiff.latent_shapes(model, *margs, **mkwargs)
     rows, losses, start = [], [], time.perf_counter()
@@ -232,14 +219,7 @@ def main(argv=None):
     parser.add_argument("--lr-decay", type=float, default=None)
     parser.add_argument("--ksd-draws", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--loss-set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set an attribute of the loss or of one of its parts, e.g. "
-        "kernel.bandwidth_factor=0.5",
-    )
+    add_loss_set_argument(parser)
     parser.add_argument("--out")
     parser.add_argument(
         "--null",
