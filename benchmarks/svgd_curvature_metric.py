@@ -147,6 +147,8 @@ def trajectory(args):
         methods.WeightSpaceSVGD = CurvatureMetricSVGD
         CurvatureMetricSVGD.every = args.metric_every
         CurvatureMetricSVGD.q_min = args.q_min
+    if args.num_particles:
+        methods.WSVGD_PARTICLES = args.num_particles
     svgd = spec.build(model.model, model.max_plate_nesting, optim, precondition=True)
     rows = []
     for step in range(1, args.steps + 1):
@@ -201,6 +203,9 @@ def main(argv=None):
     parser.add_argument("--nuts-samples", type=int, default=2000)
     parser.add_argument("--q-min", type=float, default=CurvatureMetricSVGD.q_min)
     parser.add_argument("--metric-every", type=int, default=CurvatureMetricSVGD.every)
+    parser.add_argument(
+        "--num-particles", type=int, help="particles (default: compare's, WeightSpaceSVGD's auto)"
+    )
     parser.add_argument("--out")
     return trajectory(parser.parse_args(argv))
 
