@@ -495,7 +495,9 @@ class Preconditioner(nn.Module):
         diagonal.
     :param torch.Tensor scale: diagonal :math:`L`, ``(D,)`` positive.
     :param str source: how it was found (``"laplace"``, ``"gaussian_vi"``, ``"user"``,
-        ``"identity"``), for diagnostics.
+        ``"particles"``: :meth:`WeightSpaceSVGD.refresh_preconditioner
+        <pyro_implicit.particles.WeightSpaceSVGD.refresh_preconditioner>`, ``"identity"``),
+        for diagnostics.
     """
 
     def __init__(self, loc=None, scale_tril=None, scale=None, source="user"):

@@ -221,6 +221,95 @@ def test_auto_particle_count_defers_to_a_start_a_checkpoint_and_refuses_a_layout
         WeightSpaceSVGD(_gaussian_of_dim(3), optim, num_particles="many")
 
 
+#: a correlated, badly scaled Gaussian target: sds 2 and 0.05, correlation 0.8
+_TARGET_LOC = torch.tensor([1.0, -3.0], dtype=torch.float64)
+_TARGET_COV = torch.tensor([[4.0, 0.08], [0.08, 0.0025]], dtype=torch.float64)
+
+
+def _correlated_gaussian():
+    pyro.sample("x", dist.MultivariateNormal(_TARGET_LOC, _TARGET_COV))
+
+
+@pytest.mark.parametrize("kind", ["dense", "diagonal"])
+def test_refresh_preconditioner_rewhitens_the_same_points(kind):
+    svgd = WeightSpaceSVGD(_correlated_gaussian, pyro.optim.Adam({"lr": 0.05}), 30, 0)
+    for _ in range(20):
+        svgd.step()
+    u = svgd.unconstrained_particles().detach().clone()
+    new = svgd.refresh_preconditioner(kind)
+    assert svgd.preconditioner is new and new.kind == kind and new.source == "particles"
+    # the same points in u, now whitened by their own mean and covariance
+    assert torch.allclose(svgd.unconstrained_particles(), u, atol=1e-10)
+    z = svgd.particles.detach()
+    assert torch.allclose(new.loc, u.mean(0), atol=1e-12)
+    assert torch.allclose(z.mean(0), torch.zeros(2), atol=1e-10)
+    if kind == "dense":
+        assert torch.allclose(new.covariance(), torch.cov(u.T), rtol=1e-8)
+        assert torch.allclose(torch.cov(z.T), torch.eye(2), atol=1e-8)
+    else:
+        assert torch.allclose(new.scale, u.std(0), rtol=1e-10)
+        assert torch.allclose(z.std(0), torch.ones(2), atol=1e-10)
+    # Adam's moments were in the old coordinates: gone, and the next step starts them anew
+    opt = svgd.optim.optim_objs[svgd.particles]
+    assert svgd.particles not in opt.state
+    svgd.step()
+    assert opt.state[svgd.particles]["step"] == 1
+
+
+def test_refresh_preconditioner_from_the_raw_space_then_fits_the_exact_gaussian():
+    """Unpreconditioned particles on a target whose sds differ fortyfold: one refresh makes
+    the kernel's one bandwidth fit both coordinates, and the fit ends at the exact mean,
+    sds and correlation."""
+    svgd = WeightSpaceSVGD(
+        _correlated_gaussian, pyro.optim.Adam({"lr": 0.02}), 100, 0, precondition=False
+    )
+    for _ in range(300):
+        svgd.step()
+    svgd.refresh_preconditioner()
+    for _ in range(700):
+        svgd.step()
+    x = svgd.get_named_particles()["x"]
+    sd = _TARGET_COV.diagonal().sqrt()
+    assert ((x.mean(0) - _TARGET_LOC).abs() / sd < 0.1).all()
+    assert ((x.std(0) / sd - 1).abs() < 0.1).all(), x.std(0) / sd
+    assert abs(torch.corrcoef(x.T)[0, 1] - 0.8) < 0.05
+
+
+def test_refresh_preconditioner_survives_a_checkpoint():
+    def run():
+        pyro.set_rng_seed(0)
+        return WeightSpaceSVGD(_correlated_gaussian, pyro.optim.Adam({"lr": 0.05}), 30, 0)
+
+    svgd = run()
+    for _ in range(5):
+        svgd.step()
+    svgd.refresh_preconditioner()
+    svgd.step()
+    state = svgd.state_dict()
+    svgd.step()
+    resumed = run()
+    resumed.load_state_dict(state)
+    resumed.step()
+    assert resumed.preconditioner.source == "particles"
+    assert torch.allclose(resumed.particles, svgd.particles)
+
+
+def test_refresh_preconditioner_errors_name_the_fix():
+    svgd = WeightSpaceSVGD(_gaussian_of_dim(5), pyro.optim.Adam({"lr": 0.05}), 4, 0)
+    with pytest.raises(RuntimeError, match="call step"):
+        svgd.refresh_preconditioner()
+    svgd.step()
+    with pytest.raises(ValueError, match="kind='diagonal'"):
+        svgd.refresh_preconditioner("dense")
+    with pytest.raises(ValueError, match="kind must be"):
+        svgd.refresh_preconditioner("full")
+    assert svgd.refresh_preconditioner().kind == "diagonal"  # 4 particles, 5 dimensions
+    with torch.no_grad():
+        svgd.particles[:, 0] = 0.0
+    with pytest.raises(ValueError, match="collapsed"):
+        svgd.refresh_preconditioner()
+
+
 def test_weight_space_one_particle_is_gradient_ascent():
     y = torch.tensor([0.3, -1.2, 2.0])
 
