@@ -158,6 +158,9 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
 # whole minibatch on each), against one process with all particles on the whole minibatch.
 
 PARTICLES, SVGD_STEPS = 8, 8
+#: the step before which WeightSpaceSVGD's fits refresh their preconditioner from the
+#: particles (all N of them, gathered across ranks when sharded)
+REFRESH_AT = 5
 
 
 def svgd_model(x, y, subsample):
@@ -198,7 +201,8 @@ def _init(rank, world, store):
 
 def _fit_svgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
     """Steps ``start:stop`` of WeightSpaceSVGD (from the checkpoint ``load``, to the
-    checkpoint ``save`` if given); all particles and the model parameters at the end."""
+    checkpoint ``save`` if given), the preconditioner refreshed from the particles before
+    step ``REFRESH_AT``; all particles and the model parameters at the end."""
     from pyro_implicit.distributed import gather_named_particles
     from pyro_implicit.particles import WeightSpaceSVGD
 
@@ -223,6 +227,8 @@ def _fit_svgd(layout, method, start=0, stop=SVGD_STEPS, save=None, load=None):
     for step in range(stop):
         batch = torch.randperm(N, generator=batches)[:GLOBAL_BATCH]
         if step >= start:
+            if step == REFRESH_AT:
+                svgd.refresh_preconditioner()
             svgd.step(x, y, shard(batch))
     if save is not None:
         save_checkpoint(save, svgd)
