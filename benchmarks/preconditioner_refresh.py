@@ -3,11 +3,13 @@ second whitening, from the particles' own moments, bring the fits of the stiff b
 nearer NUTS?
 
 Issue #20 asks for the preconditioner to be "optionally refreshed during training from the
-running covariance of the draws". For particles that is exact and cheap: at the steps
-``--refresh-at`` the particles' mean ``m`` and covariance ``C`` (in the unconstrained
-space) become the new preconditioner ``(m, chol(C))``, the particles are re-expressed in
-its coordinates (the same points in ``u``) and the optimiser's moments are reset (they
-were moments of the old coordinates). Everything else is ``benchmarks/stiff.py``'s fit of
+running covariance of the draws". For particles that is exact and cheap
+(:meth:`~pyro_implicit.particles.WeightSpaceSVGD.refresh_preconditioner`, since 9471b91;
+this script's own copy of it before): at the steps ``--refresh-at`` the particles' mean
+``m`` and covariance ``C`` (in the unconstrained space) become the new preconditioner
+``(m, chol(C))``, the particles are re-expressed in its coordinates (the same points in
+``u``) and the optimiser's moments of the particles are reset (they were moments of the old
+coordinates). Everything else is ``benchmarks/stiff.py``'s fit of
 ``wsvgd`` (``compare``'s builder, plain ``Adam``, the preconditioner on); each model is fit
 with and without the refresh from the same seed and scored against the gold NUTS draws.
 
@@ -24,21 +26,6 @@ import stiff
 import torch
 
 from pyro_implicit.diagnostics.metrics import compare_samples
-from pyro_implicit.latent import Preconditioner
-
-
-def refresh(svgd, optim):
-    """Re-whiten ``svgd``'s particles by their own mean and covariance, in place."""
-    with torch.no_grad():
-        u = svgd.preconditioner.unwhiten(svgd.particles)
-        dim = u.shape[-1]
-        cov = torch.cov(u.T).reshape(dim, dim)
-        jitter = 1e-9 * cov.diagonal().mean() * torch.eye(dim, dtype=u.dtype, device=u.device)
-        new = Preconditioner(loc=u.mean(0), scale_tril=torch.linalg.cholesky(cov + jitter))
-        svgd.particles.copy_(new.whiten(u))
-        svgd.preconditioner = new
-    for opt in optim.optim_objs.values():
-        opt.state.clear()
 
 
 def fit(model_name, steps, seed, refresh_at, lr):
@@ -52,7 +39,7 @@ def fit(model_name, steps, seed, refresh_at, lr):
     for i in range(1, steps + 1):
         svgd.step(*args, **kwargs)
         if i in refresh_at:
-            refresh(svgd, optim)
+            svgd.refresh_preconditioner("dense")
     seconds = time.perf_counter() - start
     shapes = stiff.latent_shapes(model, *args, **kwargs)
     draws, _ = stiff.posterior_draws(svgd, model, args, kwargs, 2000, mpn, shapes)
