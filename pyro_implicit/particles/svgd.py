@@ -1037,7 +1037,7 @@ class WeightSpaceSVGD(ParticleInference):
         running covariance of the draws"). Once at step 500 of 2000 on the stiff benchmark
         (``Adam(1e-2)``, seed 0) it moved the banana from 0.165 to 0.072 NUTS sds, where the
         preconditioner's Gaussian was narrower than the curved posterior, but stochastic
-        volatility from 0.205 to 0.483 (the particles' heavy tail became the unit scale) and
+        volatility from 0.205 to 0.483 (0.467 with moments trimmed of the far particles) and
         Neal's funnel from 0.136 to 0.181; the other five within 0.008
         (``benchmarks/results/preconditioner_refresh_wsvgd.md``). Call it where the start's
         Gaussian is known to be too narrow, not by routine.
