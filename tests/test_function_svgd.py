@@ -275,15 +275,20 @@ def test_refresh_preconditioner_from_the_raw_space_then_fits_the_exact_gaussian(
     assert abs(torch.corrcoef(x.T)[0, 1] - 0.8) < 0.05
 
 
-def test_refresh_preconditioner_survives_a_checkpoint():
+@pytest.mark.parametrize("precondition", [True, False])
+def test_refresh_preconditioner_survives_a_checkpoint(precondition):
     def run():
         pyro.set_rng_seed(0)
-        return WeightSpaceSVGD(_correlated_gaussian, pyro.optim.Adam({"lr": 0.05}), 30, 0)
+        return WeightSpaceSVGD(
+            _correlated_gaussian, pyro.optim.Adam({"lr": 0.05}), 30, 0, precondition=precondition
+        )
 
     svgd = run()
     for _ in range(5):
         svgd.step()
     svgd.refresh_preconditioner()
+    # whitened particles take the whitened default kernel, from either start
+    assert svgd.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR
     svgd.step()
     state = svgd.state_dict()
     svgd.step()
@@ -291,6 +296,7 @@ def test_refresh_preconditioner_survives_a_checkpoint():
     resumed.load_state_dict(state)
     resumed.step()
     assert resumed.preconditioner.source == "particles"
+    assert resumed.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR
     assert torch.allclose(resumed.particles, svgd.particles)
 
 

@@ -1022,6 +1022,9 @@ class WeightSpaceSVGD(ParticleInference):
         if self._auto_particles and state.get("type") == type(self).__name__:
             self._choose_count(state["num_particles"])  # the checkpoint says how many
         super().load_state_dict(state)
+        pre = state.get("preconditioner")
+        if pre is not None and not pre.is_identity:  # e.g. refreshed from a raw-space start
+            self._whitened_default_kernel()
 
     load_state_dict.__doc__ = ParticleInference.load_state_dict.__doc__
 
@@ -1031,7 +1034,9 @@ class WeightSpaceSVGD(ParticleInference):
         covariance in the unconstrained space, and the particles are re-expressed in its
         coordinates (the same points :math:`u`, so :meth:`get_named_particles` does not
         move). The optimiser's state of the particles is reset: its moments were in the old
-        coordinates. The kernel's bandwidth and the learning rate then act in the new ones.
+        coordinates. The kernel's bandwidth and the learning rate then act in the new ones
+        (from the raw space, the default kernel becomes that of whitened particles, 1.4
+        median distances).
 
         Off unless called (issue #20's "optionally refreshed during training from the
         running covariance of the draws"). Once at step 500 of 2000 on the stiff benchmark
@@ -1091,7 +1096,16 @@ class WeightSpaceSVGD(ParticleInference):
             self.particles.copy_(new.whiten(u_local).to(self.particles.dtype))
         self.preconditioner = new
         self._reset_particle_optimizer_state()
+        self._whitened_default_kernel()
         return new
+
+    def _whitened_default_kernel(self):
+        """The default kernel of whitened particles (1.4 median distances) in place of the
+        raw space's default (Liu & Wang's, which counts the particles), once the particles
+        are whitened; a kernel of the caller's stays."""
+        if self._count_kernel:
+            self._count_kernel = False
+            self.kernel = RBFKernel(bandwidth_factor=WHITENED_BANDWIDTH_FACTOR)
 
     def _reset_particle_optimizer_state(self):
         """Forget the optimiser's state of the particles (not of the model's parameters)."""
