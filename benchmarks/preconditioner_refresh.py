@@ -55,6 +55,22 @@ def trimmed_refresh(svgd, keep=0.975, rounds=3):
     svgd._reset_particle_optimizer_state()
 
 
+def blended_refresh(svgd, weight=0.5):
+    """The refresh with the covariance ``weight * C_particles + (1 - weight) * C_old`` (a
+    prototype for ``--kind blend``): the old preconditioner's Gaussian pulled halfway
+    towards the particles' moments; then re-whitened as ``refresh_preconditioner`` does."""
+    with torch.no_grad():
+        u = svgd.unconstrained_particles().detach()
+        dim = u.shape[1]
+        old = svgd.preconditioner.covariance().reshape(dim, dim)
+        cov = weight * torch.cov(u.T).reshape(dim, dim) + (1 - weight) * old
+        loc = weight * u.mean(0) + (1 - weight) * svgd.preconditioner.loc
+        new = Preconditioner(loc=loc, scale_tril=torch.linalg.cholesky(cov), source="particles")
+        svgd.particles.copy_(new.whiten(u))
+    svgd.preconditioner = new
+    svgd._reset_particle_optimizer_state()
+
+
 def fit(model_name, steps, seed, refresh_at, lr, kind="dense"):
     model, args, kwargs, mpn = stiff.MODELS[model_name]()
     reference, _ = stiff.load_reference(model_name)
@@ -68,6 +84,8 @@ def fit(model_name, steps, seed, refresh_at, lr, kind="dense"):
         if i in refresh_at:
             if kind == "trimmed":
                 trimmed_refresh(svgd)
+            elif kind == "blend":
+                blended_refresh(svgd)
             else:
                 svgd.refresh_preconditioner(kind)
     seconds = time.perf_counter() - start
@@ -86,9 +104,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--kind",
-        choices=["dense", "diagonal", "trimmed"],
+        choices=["dense", "diagonal", "trimmed", "blend"],
         default="dense",
-        help="refresh_preconditioner's kind, or trimmed moments (trimmed_refresh)",
+        help="refresh_preconditioner's kind, or trimmed moments (trimmed_refresh), or the "
+        "old and the particles' covariances averaged (blended_refresh)",
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
