@@ -1028,32 +1028,33 @@ class WeightSpaceSVGD(ParticleInference):
 
     load_state_dict.__doc__ = ParticleInference.load_state_dict.__doc__
 
-    def refresh_preconditioner(self, kind="auto"):
+    def refresh_preconditioner(self, kind="diagonal"):
         r"""Re-whiten the particles by their own moments: the preconditioner becomes
-        :math:`(m, L)` with :math:`m` the particles' mean and :math:`L L^\top` their
-        covariance in the unconstrained space, and the particles are re-expressed in its
-        coordinates (the same points :math:`u`, so :meth:`get_named_particles` does not
-        move). The optimiser's state of the particles is reset: its moments were in the old
+        :math:`(m, L)` with :math:`m` the particles' mean and :math:`L` their sds
+        (``kind="diagonal"``) or the Cholesky factor of their covariance (``"dense"``) in
+        the unconstrained space, and the particles are re-expressed in its coordinates (the
+        same points :math:`u`, so :meth:`get_named_particles` does not move). The
+        optimiser's state of the particles is reset: its moments were in the old
         coordinates. The kernel's bandwidth and the learning rate then act in the new ones
         (from the raw space, the default kernel becomes that of whitened particles, 1.4
         median distances).
 
         Off unless called (issue #20's "optionally refreshed during training from the
         running covariance of the draws"). Once at step 500 of 2000 on the stiff benchmark
-        (``Adam(1e-2)``, seed 0) it moved the banana from 0.165 to 0.072 NUTS sds, where the
-        preconditioner's Gaussian was narrower than the curved posterior, but stochastic
-        volatility from 0.205 to 0.483 (0.467 with moments trimmed of the far particles) and
-        Neal's funnel from 0.136 to 0.181; the other five within 0.008
-        (``benchmarks/results/preconditioner_refresh_wsvgd.md``). Call it where the start's
-        Gaussian is known to be too narrow, not by routine.
+        (``Adam(1e-2)``, ``benchmarks/results/preconditioner_refresh_wsvgd_diagonal.md``),
+        the diagonal refresh took stochastic volatility from 0.174-0.248 to 0.095-0.111
+        NUTS sds off and the banana from 0.123-0.211 to 0.046-0.084 (seeds 0-2), but Neal's
+        funnel from 0.136-0.147 to 0.181-0.212, the centred eight schools from 0.020 to
+        0.033 and the mixture from 0.011 to 0.022 (seed 0; the other three within 0.002).
+        The dense one moved stochastic volatility to 0.48 instead
+        (``preconditioner_refresh_wsvgd.md``).
 
-        :param str kind: ``"dense"`` (Cholesky factor of the covariance; needs more
-            particles than latent dimensions), ``"diagonal"`` (the particles' sds), or
-            ``"auto"``: dense when the particles outnumber the latent dimensions.
+        :param str kind: ``"diagonal"`` (default) or ``"dense"`` (needs more particles
+            than latent dimensions).
         :return: the new :class:`~pyro_implicit.latent.Preconditioner`.
         """
-        if kind not in ("auto", "dense", "diagonal"):
-            raise ValueError(f"kind must be 'auto', 'dense' or 'diagonal', got {kind!r}")
+        if kind not in ("dense", "diagonal"):
+            raise ValueError(f"kind must be 'diagonal' or 'dense', got {kind!r}")
         if self.particles is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no particles to refresh from yet: call step(*args) "
@@ -1065,8 +1066,6 @@ class WeightSpaceSVGD(ParticleInference):
             # every rank computes the same moments from all N particles
             u = self.distributed.gather(u_local) if sharded else u_local
             n, dim = u.shape
-            if kind == "auto":
-                kind = "dense" if n > dim else "diagonal"
             if kind == "dense" and n <= dim:
                 raise ValueError(
                     f"a dense refresh needs more particles than latent dimensions ({n} "
