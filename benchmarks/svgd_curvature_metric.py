@@ -153,6 +153,8 @@ def trajectory(args):
     rows = []
     for step in range(1, args.steps + 1):
         svgd.step(*model.args, **model.kwargs)
+        if step == args.refresh_at:
+            svgd.refresh_preconditioner()
         if step % args.every == 0:
             tau = svgd.get_named_particles()["tau"].flatten()
             rows.append(
@@ -169,6 +171,8 @@ def trajectory(args):
         if args.variant == "metric"
         else "`WeightSpaceSVGD`"
     )
+    if args.refresh_at:
+        variant += f", `refresh_preconditioner()` after step {args.refresh_at}"
     lines = [
         f"## eight schools, {variant}, seed {args.seed}",
         "",
@@ -205,6 +209,9 @@ def main(argv=None):
     parser.add_argument("--metric-every", type=int, default=CurvatureMetricSVGD.every)
     parser.add_argument(
         "--num-particles", type=int, help="particles (default: compare's, WeightSpaceSVGD's auto)"
+    )
+    parser.add_argument(
+        "--refresh-at", type=int, help="call refresh_preconditioner() after this step"
     )
     parser.add_argument("--out")
     return trajectory(parser.parse_args(argv))
