@@ -93,7 +93,8 @@ def tail_forces(svgd, model):
         _, score_u = svgd.space.score(u, model.args, model.kwargs, full_data=False)
         g = svgd.preconditioner.whiten_score(score_u)
         d = stein_direction(z, g, svgd.kernel, svgd.method)
-        scale = svgd.preconditioner.scale_tril
+        pre = svgd.preconditioner
+        scale = pre.scale_tril if pre.kind == "dense" else torch.diag(pre.scale)
         col = {s.name: s.start for s in svgd._sites}["tau"]
         i = u[:, col].argmax().item()
         n = z.shape[0]
