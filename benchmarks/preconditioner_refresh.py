@@ -33,7 +33,8 @@ def trimmed_refresh(svgd, keep=0.975, rounds=3):
     """The refresh with trimmed moments (a prototype for ``--kind trimmed``): the mean and
     covariance of the particles within the ``keep`` quantile of chi-square in their own
     Mahalanobis distance, iterated ``rounds`` times, the covariance rescaled to be
-    consistent at a Gaussian; then re-whitened as ``refresh_preconditioner`` does."""
+    consistent at a Gaussian; then installed as ``refresh_preconditioner``
+    installs its own."""
     from scipy.stats import chi2
 
     with torch.no_grad():
@@ -49,26 +50,22 @@ def trimmed_refresh(svgd, keep=0.975, rounds=3):
             chol = torch.linalg.cholesky(cov)
             white = torch.linalg.solve_triangular(chol, (u - loc).T, upper=False)
             inside = white.pow(2).sum(0) <= cutoff
-        new = Preconditioner(loc=loc, scale_tril=chol, source="particles")
-        svgd.particles.copy_(new.whiten(u))
-    svgd.preconditioner = new
-    svgd._reset_particle_optimizer_state()
+    svgd._rewhiten(Preconditioner(loc=loc, scale_tril=chol, source="particles"))
 
 
 def blended_refresh(svgd, weight=0.5):
     """The refresh with the covariance ``weight * C_particles + (1 - weight) * C_old`` (a
     prototype for ``--kind blend``): the old preconditioner's Gaussian pulled halfway
-    towards the particles' moments; then re-whitened as ``refresh_preconditioner`` does."""
+    towards the particles' moments; then installed as ``refresh_preconditioner``
+    installs its own."""
     with torch.no_grad():
         u = svgd.unconstrained_particles().detach()
         dim = u.shape[1]
         old = svgd.preconditioner.covariance().reshape(dim, dim)
         cov = weight * torch.cov(u.T).reshape(dim, dim) + (1 - weight) * old
         loc = weight * u.mean(0) + (1 - weight) * svgd.preconditioner.loc
-        new = Preconditioner(loc=loc, scale_tril=torch.linalg.cholesky(cov), source="particles")
-        svgd.particles.copy_(new.whiten(u))
-    svgd.preconditioner = new
-    svgd._reset_particle_optimizer_state()
+        chol = torch.linalg.cholesky(cov)
+    svgd._rewhiten(Preconditioner(loc=loc, scale_tril=chol, source="particles"))
 
 
 def fit(model_name, steps, seed, refresh_at, lr, kind="dense"):

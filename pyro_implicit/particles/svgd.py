@@ -61,6 +61,7 @@ from ..elbo.base import (
     check_vectorized_log_joint,
     particle_sum,
 )
+from ..elbo.kernel_ratio import _dense_gaussian
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
 from ..progress import refresh_intervals
@@ -233,6 +234,14 @@ def stein_direction(particles, score, kernel, method="svgd", rows=None, gather=N
     return SteinDirection(drive + rep, drive, rep, bandwidth)
 
 
+def default_kernel(whitened, num_particles):
+    """The default kernel (the module's "Bandwidth rule"): 1.4 median distances for
+    whitened particles, Liu & Wang's rule, which counts the particles, in the raw space."""
+    if whitened:
+        return RBFKernel(bandwidth_factor=WHITENED_BANDWIDTH_FACTOR)
+    return RBFKernel(bandwidth_factor=svgd_bandwidth_factor(num_particles))
+
+
 def _guess_max_plate_nesting(model, args, kwargs):
     with torch.no_grad():
         return plate_nesting(poutine.block(poutine.trace(model).get_trace)(*args, **kwargs))
@@ -365,12 +374,8 @@ class ParticleInference:
         self.num_particles = int(num_particles)
         self.max_plate_nesting = None if max_plate_nesting is None else int(max_plate_nesting)
         if kernel is None:
-            if precondition is False or precondition is None:
-                kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
-            else:
-                # whitened particles: 1.4 median distances as the length scale (see the
-                # module's "Bandwidth rule")
-                kernel = RBFKernel(bandwidth_factor=WHITENED_BANDWIDTH_FACTOR)
+            whitened = not (precondition is False or precondition is None)
+            kernel = default_kernel(whitened, self.num_particles)
         self.kernel = kernel
         self.method = method
         #: the :class:`~pyro_implicit.distributed.ParticleLayout` across processes, or
@@ -1011,7 +1016,7 @@ class WeightSpaceSVGD(ParticleInference):
         self.num_particles = int(num_particles)
         self._auto_particles = False
         if self._count_kernel:
-            self.kernel = RBFKernel(bandwidth_factor=svgd_bandwidth_factor(self.num_particles))
+            self.kernel = default_kernel(False, self.num_particles)
 
     def _setup_space(self, args, kwargs):
         super()._setup_space(args, kwargs)
@@ -1074,31 +1079,37 @@ class WeightSpaceSVGD(ParticleInference):
                     f"particles, {dim} dimensions): pass kind='diagonal' or more particles"
                 )
             loc = u.mean(0)
-            centred = u - loc
             if kind == "dense":
-                cov = centred.T @ centred / (n - 1)
-                # a relative jitter: particles on a lower-dimensional set still whiten
-                cov.diagonal().add_(1e-10 * cov.diagonal().mean())
-                chol, info = torch.linalg.cholesky_ex(cov)
-                if info.item() != 0:
+                # the draws' covariance factored in float64, 1e-10 of its mean variance
+                # added (KernelRatioELBO's full contrast); its diagonal where that fails
+                gauss = _dense_gaussian(loc, u - loc, n - 1, 1e-10, u.std(0))
+                if not isinstance(gauss, torch.distributions.MultivariateNormal):
                     raise ValueError(
                         "the particles' covariance is not positive definite (have they "
                         "collapsed?): pass kind='diagonal'"
                     )
-                new = Preconditioner(loc=loc, scale_tril=chol, source="particles")
+                new = Preconditioner(loc=loc, scale_tril=gauss.scale_tril, source="particles")
             else:
-                sd = centred.pow(2).sum(0).div(n - 1).sqrt()
+                sd = u.std(0)
                 if not (sd > 0).all():
                     raise ValueError(
                         "some coordinate has the same value at every particle: the particles "
                         "have collapsed there and cannot set its scale"
                     )
                 new = Preconditioner(loc=loc, scale=sd, source="particles")
-            self.particles.copy_(new.whiten(u_local).to(self.particles.dtype))
-        self.preconditioner = new
+        self._rewhiten(new)
+        return new
+
+    def _rewhiten(self, preconditioner):
+        """Install ``preconditioner``: the particles re-expressed in its coordinates (the
+        same points u), the optimiser's state of the particles reset, the whitened default
+        kernel in place of the raw space's."""
+        with torch.no_grad():
+            u = self.unconstrained_particles()
+            self.particles.copy_(preconditioner.whiten(u).to(self.particles.dtype))
+        self.preconditioner = preconditioner
         self._reset_particle_optimizer_state()
         self._whitened_default_kernel()
-        return new
 
     def _whitened_default_kernel(self):
         """The default kernel of whitened particles (1.4 median distances) in place of the
@@ -1106,7 +1117,7 @@ class WeightSpaceSVGD(ParticleInference):
         are whitened; a kernel of the caller's stays."""
         if self._count_kernel:
             self._count_kernel = False
-            self.kernel = RBFKernel(bandwidth_factor=WHITENED_BANDWIDTH_FACTOR)
+            self.kernel = default_kernel(True, self.num_particles)
 
     def _reset_particle_optimizer_state(self):
         """Forget the optimiser's state of the particles (not of the model's parameters)."""
