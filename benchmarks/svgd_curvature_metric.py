@@ -28,6 +28,7 @@ neck, where the curvature across the neck is large, stops feeling the others' re
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -150,6 +151,8 @@ def trajectory(args):
         CurvatureMetricSVGD.q_min = args.q_min
     if args.num_particles:
         methods.WSVGD_PARTICLES = args.num_particles
+    if args.update != "svgd":
+        methods.WeightSpaceSVGD = functools.partial(methods.WeightSpaceSVGD, method=args.update)
     svgd = spec.build(model.model, model.max_plate_nesting, optim, precondition=True)
     rows = []
     for step in range(1, args.steps + 1):
@@ -172,6 +175,8 @@ def trajectory(args):
         if args.variant == "metric"
         else "`WeightSpaceSVGD`"
     )
+    if args.update != "svgd":
+        variant += f", `method={args.update!r}`"
     if args.refresh_at:
         variant += f", `refresh_preconditioner()` after step {args.refresh_at}"
     lines = [
@@ -213,6 +218,12 @@ def main(argv=None):
     )
     parser.add_argument(
         "--refresh-at", type=int, help="call refresh_preconditioner() after this step"
+    )
+    parser.add_argument(
+        "--update",
+        choices=["svgd", "wsgld", "pisgld", "gfsf"],
+        default="svgd",
+        help="WeightSpaceSVGD's update rule (method=)",
     )
     parser.add_argument("--out")
     return trajectory(parser.parse_args(argv))
