@@ -92,6 +92,51 @@ def fit(model_name, steps, seed, refresh_at, lr, kind="dense"):
     return {**{k: joint[k] for k in stiff._summary({"joint": joint})}, "seconds": seconds}
 
 
+def particle_spread(model_name, steps, seed, lr):
+    """What a refresh would see at step ``steps`` (a probe for a trigger): the range of the
+    particles' sds in the current whitened coordinates (1 where the preconditioner still
+    fits them) and their largest kurtosis over coordinates (3 for a Gaussian), from the fit
+    of :func:`fit` without a refresh."""
+    model, args, kwargs, mpn = stiff.MODELS[model_name]()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    _, svgd, _ = stiff.build_method("wsvgd", model, mpn, pyro.optim.Adam({"lr": lr}), True)
+    for _ in range(steps):
+        svgd.step(*args, **kwargs)
+    z = svgd.particles.detach()
+    sd = z.std(0)
+    kurtosis = ((z - z.mean(0)) / sd).pow(4).mean(0)
+    return {
+        "dim": z.shape[1],
+        "sd_min": sd.min().item(),
+        "sd_median": sd.median().item(),
+        "sd_max": sd.max().item(),
+        "kurtosis_max": kurtosis.max().item(),
+    }
+
+
+def main_spread(args, record, models, at):
+    lines = [
+        "# What a refresh of WeightSpaceSVGD's preconditioner would see",
+        "",
+        f"`{record['command']}` (commit {record['commit']}, {record['utc']}); "
+        f"{at} steps of Adam({args.lr}), seed {args.seed}, float64, one thread, no refresh: "
+        "the particles' sds in the whitened coordinates (min / median / max) and their "
+        "largest kurtosis over coordinates (3 for a Gaussian).",
+        "",
+        "| model | D | sd min | sd median | sd max | kurtosis max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in models:
+        s = particle_spread(name, at, args.seed, args.lr)
+        lines.append(
+            f"| {name} | {s['dim']} | {s['sd_min']:.2f} | {s['sd_median']:.2f} | "
+            f"{s['sd_max']:.2f} | {s['kurtosis_max']:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="all")
@@ -106,6 +151,12 @@ def main(argv=None):
         help="refresh_preconditioner's kind, or trimmed moments (trimmed_refresh), or the "
         "old and the particles' covariances averaged (blended_refresh)",
     )
+    parser.add_argument(
+        "--spread-only",
+        action="store_true",
+        help="no fits to score: the particles' whitened sds and kurtosis at the first "
+        "--refresh-at step (particle_spread), what a trigger for the refresh would read",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -113,6 +164,12 @@ def main(argv=None):
     record = _provenance.provenance(__file__, argv, vars(args))
     models = sorted(stiff.MODELS) if args.models == "all" else args.models.split(",")
     refresh_at = {int(s) for s in args.refresh_at.split(",")}
+    if args.spread_only:
+        text = main_spread(args, record, models, min(refresh_at))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return
     lines = [
         "# WeightSpaceSVGD with its preconditioner refreshed from the particles",
         "",
