@@ -22,6 +22,7 @@ from .errors import (
     PairingError,
     PyroImplicitError,
     RunawayWarning,
+    UnsupportedModelError,
     UnsupportedPairError,
 )
 from .guides import (
@@ -45,6 +46,7 @@ __all__ = [
     "PairingError",
     "PyroImplicitError",
     "RunawayWarning",
+    "UnsupportedModelError",
     "UnsupportedPairError",
     "contract",
     "errors",

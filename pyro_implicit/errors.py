@@ -2,7 +2,8 @@
 
 * :class:`ModelError`: the model cannot be fitted as written (a discrete latent site, a
   model that mixes particles under a vectorised plate, a density that is NaN or fails at
-  a draw of its latents);
+  a draw of its latents); :class:`UnsupportedModelError` is one that uses a construct no
+  method here supports (a sequential plate, a local latent of a subsampled plate);
 * :class:`PairingError`: a guide that the loss cannot train, or that does not fit the
   loss's rules (:mod:`pyro_implicit.contract`); the message names the pair that works;
 * :class:`DataError`: the data are unusable (NaN or infinite observations, a malformed
@@ -15,6 +16,7 @@ region where it is accurate (every number finite, the posterior not to be truste
 
 Each is also the built-in exception these problems raised before it existed
 (``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
+``NotImplementedError``, :class:`UnsupportedModelError` a ``ModelError`` and a
 ``NotImplementedError``), so ``except ValueError`` and ``pytest.raises(TypeError)`` keep
 working. :class:`PyroImplicitError` is the base of them all.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "PairingError",
     "PyroImplicitError",
     "RunawayWarning",
+    "UnsupportedModelError",
     "UnsupportedPairError",
     "VectorizationError",
 ]
@@ -42,6 +45,11 @@ class ModelError(PyroImplicitError, ValueError):
 class VectorizationError(ModelError):
     """The model gives different log-densities under a vectorised particle plate than
     when each draw is evaluated on its own."""
+
+
+class UnsupportedModelError(ModelError, NotImplementedError):
+    """The model uses a construct no method here supports (a sequential plate, a local
+    latent inside a subsampled plate); the message names the site and the rewrite."""
 
 
 class PairingError(PyroImplicitError, TypeError):

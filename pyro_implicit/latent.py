@@ -45,11 +45,13 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _DIM_ALLOCATOR
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 from torch.distributions import biject_to
 
+from .errors import ModelError
 from .progress import refresh_intervals
 
 __all__ = [
@@ -104,6 +106,111 @@ Site.__doc__ = """One latent site's place in the packed vector: ``u[start:stop]`
 unconstrained value flattened; ``shape`` the constrained value's shape in the prototype
 trace; ``vec_shape`` its unconstrained shape under a particle plate (with a ``-1`` for the
 particle count), aligned to the model's plates."""
+
+
+def _is_discrete(fn):
+    """Whether a distribution is discrete: enumerable support, or a discrete support
+    constraint."""
+    try:
+        discrete_support = bool(fn.support.is_discrete)
+    except (AttributeError, NotImplementedError):
+        discrete_support = False
+    return bool(getattr(fn, "has_enumerate_support", False)) or discrete_support
+
+
+def _discrete_site_error(name, fn, who):
+    return ModelError(
+        f"{who} cannot sample discrete site '{name}' ({type(fn).__name__}): pyro_implicit's "
+        "guides, losses and particle methods, like NUTS, need continuous latent sites and do "
+        "not enumerate. Marginalise it out of the model (e.g. dist.MixtureSameFamily, or "
+        "pyro.factor with a logsumexp over its values) or observe it; Pyro's TraceEnum_ELBO "
+        "can fit it with an autoguide of the other sites, e.g. "
+        f"AutoNormal(poutine.block(model, hide=['{name}']))."
+    )
+
+
+def check_trace_continuous(trace, who="NUTS"):
+    """Raise if a trace has a discrete latent sample site (not observed, not a plate's
+    subsample site).
+
+    :param str who: the method named in the message.
+    :raises ModelError: naming the first discrete latent site and the fix.
+    """
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            continue
+        if _is_discrete(site["fn"]):
+            raise _discrete_site_error(name, site["fn"], who)
+
+
+def support_transform(site, who="pyro_implicit"):
+    """``biject_to`` of a latent site's support, the map from real space into it.
+
+    :param str who: the method named in the message.
+    :raises ModelError: for a discrete site, or a support with no such map, naming the
+        site and the fix.
+    """
+    fn = site["fn"]
+    if _is_discrete(fn):
+        raise _discrete_site_error(site["name"], fn, who)
+    try:
+        return biject_to(fn.support)
+    except NotImplementedError:
+        raise ModelError(
+            f"Latent site '{site['name']}' has support {fn.support}, which has no bijection "
+            f"to real space: {who} needs latent sites whose support torch's biject_to maps "
+            "(real, positive, interval, simplex, Cholesky factors, ...)."
+        ) from None
+
+
+class _CompleteObsMask(Messenger):
+    """See :func:`complete_obs_mask`."""
+
+    def __enter__(self):
+        self._observed_masks = {}
+        return super().__enter__()
+
+    def _process_message(self, msg):
+        mask = msg["mask"]
+        if msg["type"] != "sample" or not torch.is_tensor(mask) or mask.dtype != torch.bool:
+            return
+        name = msg["name"]
+        if name.endswith("_observed") and msg["is_observed"]:
+            self._observed_masks[name[: -len("_observed")]] = mask
+        elif name.endswith("_unobserved"):
+            observed = self._observed_masks.pop(name[: -len("_unobserved")], None)
+            if observed is not None:
+                msg["mask"] = mask | observed
+
+
+def complete_obs_mask(model):
+    """``model`` with every ``pyro.sample(name, fn, obs=y, obs_mask=m)`` made proper.
+
+    Pyro splits such a site in two: ``{name}_observed`` (the data where ``m`` holds) and
+    the latent ``{name}_unobserved``, of the whole shape but masked by ``~m``, whose
+    entries where ``m`` holds are replaced by the data and so never used. Those entries
+    have no density at all: a flat, improper direction of the posterior, along which a
+    preconditioner's Laplace or Gaussian fit widens without end and a kernel's length
+    scale is lost. Here they get ``fn``'s own density instead (the mask becomes ``~m | m``,
+    times any outer mask), which integrates to one over each of them: the posterior of
+    every other site, and of the missing entries, is unchanged, and those entries become
+    draws of ``fn`` given the rest. A model without ``obs_mask`` runs as it is.
+    """
+    if isinstance(model, _ObsMaskCompleted):
+        return model
+    return _ObsMaskCompleted(model)
+
+
+class _ObsMaskCompleted:
+    """A model run under :class:`_CompleteObsMask` (a fresh one per call)."""
+
+    def __init__(self, model):
+        self.model = model
+        functools.update_wrapper(self, model, updated=())
+
+    def __call__(self, *args, **kwargs):
+        with _CompleteObsMask():
+            return self.model(*args, **kwargs)
 
 
 def _is_subsampled(trace):
@@ -177,7 +284,7 @@ class LatentSpace:
     plate_name = "_latent_particles"
 
     def __init__(self, model, prototype_trace, max_plate_nesting, unconstrained_shapes=None):
-        self.model = _without_init(model)
+        self.model = complete_obs_mask(_without_init(model))
         # every plate of the model counts, those of observed sites too (a guide's own
         # max_plate_nesting counts only its latents' plates)
         self.max_plate_nesting = max(int(max_plate_nesting), plate_nesting(prototype_trace))
@@ -190,14 +297,7 @@ class LatentSpace:
         self.subsample_plates = _subsample_plates(prototype_trace)
         for name, site in prototype_trace.iter_stochastic_nodes():
             fn, value = site["fn"], site["value"]
-            try:
-                transform = biject_to(fn.support)
-            except NotImplementedError:
-                raise ValueError(
-                    f"Latent site '{name}' has support {fn.support}, which has no bijection "
-                    "to real space: pyro_implicit needs continuous latent sites (marginalise "
-                    "discrete ones out of the model)."
-                ) from None
+            transform = support_transform(site)
             if unconstrained_shapes is not None:
                 shape = tuple(unconstrained_shapes[name])
             else:
@@ -238,6 +338,11 @@ class LatentSpace:
                 full = poutine.block(poutine.trace(guide.model).get_trace)(*args, **(kwargs or {}))
         finally:
             pyro.util.set_rng_state(rng)
+        from .elbo.checks import check_observed_finite  # the losses import this module
+
+        # NaN data fail the first model run of any search with Pyro's message, which
+        # names neither the count nor the fix
+        check_observed_finite(full)
         space = cls(
             guide.model,
             guide.prototype_trace,

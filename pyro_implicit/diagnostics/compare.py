@@ -49,6 +49,7 @@ from ..latent import (
     Preconditioner,
     PreconditionerWarning,
     check_precondition,
+    complete_obs_mask,
     plate_nesting,
 )
 from .draws import (
@@ -290,6 +291,7 @@ def compare(
         discrete latent site (the message is NUTS's).
     """
     specs = _resolve(methods)
+    model = complete_obs_mask(model)  # every row, Pyro's and NUTS's too, sees one model
     if num_steps < 1 or num_samples < 2:
         raise ValueError(
             f"need num_steps >= 1 and num_samples >= 2, got {num_steps}, {num_samples}"

@@ -17,9 +17,9 @@ import pyro.util
 import torch
 from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
-from pyro.poutine.util import site_is_subsample
 
 from ..errors import ModelError
+from ..latent import check_trace_continuous, complete_obs_mask
 
 __all__ = [
     "MAX_R_HAT",
@@ -144,29 +144,9 @@ def check_continuous_latents(model, *args, **kwargs):
     model is run with the current global RNG state.
 
     :param callable model: a Pyro model.
-    :raises ValueError: naming the first discrete latent site.
+    :raises ModelError: naming the first discrete latent site.
     """
     check_trace_continuous(poutine.trace(model).get_trace(*args, **kwargs))
-
-
-def check_trace_continuous(trace):
-    """:func:`check_continuous_latents` on a trace already made.
-
-    :raises ValueError: naming the first discrete latent site.
-    """
-    for name, site in trace.nodes.items():
-        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
-            continue
-        fn = site["fn"]
-        try:
-            discrete_support = bool(fn.support.is_discrete)
-        except (AttributeError, NotImplementedError):
-            discrete_support = False
-        if getattr(fn, "has_enumerate_support", False) or discrete_support:
-            raise ModelError(
-                f"NUTS cannot sample discrete site '{name}' ({type(fn).__name__}); "
-                "marginalise it out of the model or observe it before using run_nuts"
-            )
 
 
 def _chain_seeds(seed, num_chains):
@@ -222,6 +202,7 @@ def run_nuts(
         raise ValueError(f"num_samples must be at least 4 (split R-hat), got {num_samples}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+    model = complete_obs_mask(model)  # obs_mask's unused entries: proper, not flat
     nuts_kwargs = dict(nuts_kwargs or {})
     nuts_kwargs.setdefault("jit_compile", False)
     if max_plate_nesting is not None:

@@ -38,7 +38,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from ..contract import SAMPLE, check_guide_site
 from ..errors import DivergenceError, VectorizationError
 from ..guides.base import implicit_site_info, requested_by_loss
-from ..latent import LatentSpace
+from ..latent import LatentSpace, complete_obs_mask
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
 from .checks import (  # noqa: F401
@@ -367,11 +367,21 @@ class ImplicitELBO(ELBO):
     def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""
+        model = self._obs_mask_completed(model)
         with self._requests():
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss)
         self._num_evaluations += 1
         return loss, surrogate
+
+    def _obs_mask_completed(self, model):
+        """:func:`~pyro_implicit.latent.complete_obs_mask` of ``model``, one wrapper per
+        model, so that what is keyed on the model (the vectorisation check, the traced
+        graphs) sees one object from step to step."""
+        cached = getattr(self, "_completed_model", None)
+        if cached is None or cached.model is not model:
+            cached = self._completed_model = complete_obs_mask(model)
+        return cached
 
     def _check_divergence(self, loss):
         traces = getattr(self, "_last_traces", None)

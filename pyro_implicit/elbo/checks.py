@@ -281,15 +281,34 @@ def _short(t):
 
 
 def check_guide_covers_model(model_trace, guide_trace, who="this loss"):
-    """Refuse a guide that leaves a latent site of the model out.
+    """Refuse a guide whose sites are not the model's latent sites.
 
-    The model then draws that site from its prior on every step (Pyro only warns), and
-    any loss fits the other sites against random values of it: a wrong posterior without
-    an error. Typical cause: an ``AutoGuideList`` whose parts do not cover every site
-    (e.g. after hiding a discrete site, as Pyro's advice on discrete latents suggests).
+    * A guide that leaves a latent site of the model out: the model then draws that site
+      from its prior on every step (Pyro only warns), and any loss fits the other sites
+      against random values of it, a wrong posterior without an error. Typical cause: an
+      ``AutoGuideList`` whose parts do not cover every site (e.g. after hiding a discrete
+      site, as Pyro's advice on discrete latents suggests).
+    * A guide that samples a site the model observes: it was built from a call of the
+      model without those data (a prior-predictive look before the fit), so it holds them
+      as latents, and the fit would be wrong (Pyro only warns).
 
-    :raises ValueError: naming the uncovered sites and the fix.
+    :raises ModelError: naming the sites and the fix.
     """
+    observed = [
+        name
+        for name, site in guide_trace.nodes.items()
+        if _is_latent(site)
+        and not (site.get("infer") or {}).get("is_auxiliary", False)
+        and model_trace.nodes.get(name, {}).get("is_observed", False)
+    ]
+    if observed:
+        raise ModelError(
+            f"{who}: the guide samples {observed}, which the model observes: the guide was "
+            "built from a call of the model without these data (e.g. Predictive(model, "
+            "guide=guide)() before the fit), so it holds them as latent sites. Build a new "
+            "guide and make its first call with the data (a look at the prior predictive "
+            "needs no guide: Predictive(model, num_samples=...)())."
+        )
     missing = [
         name
         for name, site in model_trace.nodes.items()
@@ -308,7 +327,7 @@ def check_guide_covers_model(model_trace, guide_trace, who="this loss"):
         if discrete
         else ""
     )
-    raise ValueError(
+    raise ModelError(
         f"{who}: the guide does not cover the latent site(s) {missing} of the model, so the "
         "model would draw them from its prior on every step and the fit of the other sites "
         "would be wrong. Give every latent site a guide: build one guide over the whole "

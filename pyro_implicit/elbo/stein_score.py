@@ -40,7 +40,6 @@ import torch
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 from pyro.util import get_rng_state, set_rng_state
-from torch.distributions import biject_to
 
 from ..contract import SAMPLE
 from ..kernels import (
@@ -50,6 +49,7 @@ from ..kernels import (
     solve_kernel_system,
     squared_distances,
 )
+from ..latent import support_transform
 from .kernel_ratio import KernelRatioELBO
 
 __all__ = [
@@ -162,7 +162,7 @@ def _latent_size(model, args, kwargs):
     finally:
         set_rng_state(state)
     return sum(
-        biject_to(site["fn"].support).inv(site["value"]).numel()
+        support_transform(site, "SteinScoreELBO").inv(site["value"]).numel()
         for site in trace.nodes.values()
         if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
     )

@@ -13,10 +13,9 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.poutine.util import site_is_subsample
-from torch.distributions import biject_to
 
-from ..errors import ModelError
 from ..guides.base import implicit_site_info
+from ..latent import support_transform
 
 __all__ = [
     "auxiliary_site_value",
@@ -60,14 +59,7 @@ def unconstrained_particles(site, num_particles, max_plate_nesting, with_log_jac
         site's ``biject_to`` transform.
     """
     fn = site["fn"]
-    try:
-        transform = biject_to(fn.support)
-    except NotImplementedError:
-        raise ModelError(
-            f"Latent site '{site['name']}' has support {fn.support}, which has no bijection "
-            "to real space: pyro_implicit guides and losses need continuous latent sites "
-            "(marginalise discrete ones out of the model)."
-        ) from None
+    transform = support_transform(site)
     value = site["value"]
     u = transform.inv(value)
     flat = _flatten_particles(

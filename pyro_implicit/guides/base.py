@@ -33,7 +33,14 @@ from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
 from ..contract import IMPLICIT_FLAG, implicit_site_info
-from ..latent import LatentSpace, Preconditioner, check_precondition, resolve_precondition
+from ..errors import UnsupportedModelError
+from ..latent import (
+    LatentSpace,
+    Preconditioner,
+    check_precondition,
+    check_trace_continuous,
+    resolve_precondition,
+)
 
 __all__ = ["ImplicitAutoGuide", "ImplicitDelta", "implicit_site_info", "IMPLICIT_FLAG"]
 
@@ -195,24 +202,29 @@ class ImplicitAutoGuide(AutoContinuous):
     def _setup_prototype(self, *args, **kwargs):
         try:
             super()._setup_prototype(*args, **kwargs)
+        except ValueError:
+            # Pyro's message for a discrete site suggests enumerating it, which no loss
+            # here does
+            check_trace_continuous(self.prototype_trace, type(self).__name__)
+            raise
         except NotImplementedError as e:
             if "sequential" not in str(e):
                 raise
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{e}: {type(self).__name__} needs vectorized plates; write "
                 "`with pyro.plate(name, size):` instead of `for i in pyro.plate(...)`."
             ) from e
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             for frame in site["cond_indep_stack"]:
                 if not frame.vectorized:
-                    raise NotImplementedError(
+                    raise UnsupportedModelError(
                         f"Site '{name}' is inside the sequential plate '{frame.name}'. "
                         f"{type(self).__name__} needs vectorized plates: write "
                         f"`with pyro.plate('{frame.name}', size):` instead of "
                         f"`for i in pyro.plate(...)`."
                     )
                 if frame.full_size is not None and frame.full_size != frame.size:
-                    raise NotImplementedError(
+                    raise UnsupportedModelError(
                         f"Latent site '{name}' is a local latent inside the subsampled plate "
                         f"'{frame.name}' (size {frame.full_size}, subsample_size "
                         f"{frame.size}). {type(self).__name__} packs all latents into one "
@@ -584,7 +596,9 @@ class ImplicitAutoGuide(AutoContinuous):
         if self.prototype_trace is None:
             raise RuntimeError(
                 f"{type(self).__name__} is built lazily from the model's first call: call "
-                "guide(*args) (or run one SVI step) before sampling from it."
+                "guide(*args) (or run one SVI step) before sampling from it; a guide made "
+                "anew after pyro.get_param_store().load(...) reads the loaded state on that "
+                "call."
             )
 
     def standard_normal(self, *shape):
@@ -606,6 +620,7 @@ class ImplicitAutoGuide(AutoContinuous):
 
         Keeps the autograd graph to the sampler's parameters.
         """
+        self._check_ready()
         return self.preconditioner.unwhiten(self.sample_whitened(num_samples))
 
     def sample_whitened(self, num_samples):
@@ -667,7 +682,12 @@ class ImplicitAutoGuide(AutoContinuous):
         :rtype: dict
         """
         if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
+            if not args and not kwargs:
+                self._check_ready()
+            # the set-up a first call does (inside the guide's Pyro context), recording
+            # nothing: the quantiles are then those of the guide's starting point
+            with poutine.block():
+                self(*args, **kwargs)
         draws = self._quantile_draws()
         q = torch.as_tensor(quantiles, dtype=draws.dtype, device=draws.device)
         if q.dim() != 1 or (q < 0).any() or (q > 1).any():

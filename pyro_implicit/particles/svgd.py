@@ -62,8 +62,16 @@ from ..elbo.base import (
     particle_sum,
 )
 from ..elbo.kernel_ratio import _dense_gaussian
+from ..errors import UnsupportedModelError
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
-from ..latent import LatentSpace, Preconditioner, plate_nesting, resolve_precondition
+from ..latent import (
+    LatentSpace,
+    Preconditioner,
+    check_trace_continuous,
+    complete_obs_mask,
+    plate_nesting,
+    resolve_precondition,
+)
 from ..progress import refresh_intervals
 
 __all__ = [
@@ -369,7 +377,7 @@ class ParticleInference:
             )
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.model = model
+        self.model = complete_obs_mask(model)
         self.optim = optim
         self.num_particles = int(num_particles)
         self.max_plate_nesting = None if max_plate_nesting is None else int(max_plate_nesting)
@@ -462,11 +470,16 @@ class ParticleInference:
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
         with torch.no_grad():
-            proto._setup_prototype(*args, **kwargs)
+            try:
+                proto._setup_prototype(*args, **kwargs)
+            except ValueError:
+                # Pyro's message for a discrete site suggests enumerating it
+                check_trace_continuous(proto.prototype_trace, type(self).__name__)
+                raise
         for name, site in proto.prototype_trace.iter_stochastic_nodes():
             for frame in site["cond_indep_stack"]:
                 if frame.full_size is not None and frame.full_size != frame.size:
-                    raise NotImplementedError(
+                    raise UnsupportedModelError(
                         f"Latent site '{name}' lies in the subsampled plate '{frame.name}' "
                         f"({frame.size} of {frame.full_size}): particle methods pack a fixed "
                         "latent vector and cannot hold local latents of a subsampled plate. "

@@ -1,0 +1,157 @@
+"""Models as Pyro users write them: ``obs_mask`` fitted to the exact posterior, and the
+constructs no method here supports (discrete latents, sequential plates), data it cannot
+use (NaN), and guides used out of order refused with errors that name the site and the
+fix."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Predictive
+
+from pyro_implicit import (
+    DataError,
+    ImplicitGuide,
+    KernelRatioELBO,
+    LinearizedGuide,
+    ModelError,
+    SemiImplicitGuide,
+    SteinScoreELBO,
+    UnsupportedModelError,
+    WeightSpaceSVGD,
+)
+from pyro_implicit.latent import LatentSpace, complete_obs_mask
+
+Y = torch.tensor([0.3, 1.9, 0.8, 2.4, 1.1, -0.2, 1.6, 0.0, 0.0, 0.0])
+OBSERVED = torch.arange(10) < 7  # the last three are missing
+PRIOR_SD = 10.0
+
+
+def masked_model(y, obs_mask):
+    mu = pyro.sample("mu", dist.Normal(0.0, PRIOR_SD))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y, obs_mask=obs_mask)
+
+
+def _exact():
+    """Posterior mean and sd of ``mu`` (conjugate Normal), and the sd of a missing ``y``
+    (its posterior predictive)."""
+    precision = PRIOR_SD**-2 + OBSERVED.sum().item()
+    mean = Y[OBSERVED].sum().item() / precision
+    return mean, precision**-0.5, (1.0 + 1.0 / precision) ** 0.5
+
+
+def test_obs_mask_unused_entries_get_the_models_density_and_nothing_else_changes():
+    space = LatentSpace.from_model(masked_model, (Y, OBSERVED), max_plate_nesting=1)
+    assert [s.name for s in space.sites] == ["mu", "y_unobserved"]
+    u = torch.randn(4, space.latent_dim, dtype=torch.float64)
+    mu, unobserved = u[:, 0], u[:, 1:]
+    expected = (
+        dist.Normal(0.0, PRIOR_SD).log_prob(mu)
+        + dist.Normal(mu[:, None], 1.0).log_prob(Y[OBSERVED]).sum(-1)
+        + dist.Normal(mu[:, None], 1.0).log_prob(unobserved).sum(-1)  # all ten entries
+    )
+    assert torch.allclose(space.log_density(u, (Y, OBSERVED)), expected, rtol=1e-12)
+
+    def plain(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    at = {"mu": torch.tensor(0.5)}
+    trace = poutine.trace(poutine.condition(complete_obs_mask(plain), at)).get_trace(Y)
+    alone = poutine.trace(poutine.condition(plain, at)).get_trace(Y)
+    assert trace.log_prob_sum() == alone.log_prob_sum()
+    assert complete_obs_mask(complete_obs_mask(plain)).model is plain
+
+
+@pytest.mark.parametrize("method", ["kivi", "wsvgd"])
+def test_an_obs_mask_model_is_fitted_to_its_exact_posterior(method):
+    mean, sd, missing_sd = _exact()
+    if method == "wsvgd":
+        svgd = WeightSpaceSVGD(masked_model, pyro.optim.Adam({"lr": 1e-2}), max_plate_nesting=1)
+        for _ in range(1500):
+            svgd.step(Y, OBSERVED)
+        draws = svgd.get_named_particles()
+    else:
+        guide = ImplicitGuide(masked_model)
+        svi = SVI(masked_model, guide, pyro.optim.Adam({"lr": 1e-2}), KernelRatioELBO())
+        for _ in range(1500):
+            svi.step(Y, OBSERVED)
+        draws = guide.sample_posterior(4000)
+    mu = draws["mu"].flatten()
+    missing = draws["y_unobserved"].reshape(len(mu), -1)[:, ~OBSERVED]
+    assert abs(mu.mean().item() - mean) < 0.2 * sd
+    assert 0.85 < mu.std().item() / sd < 1.15
+    assert abs(missing.mean().item() - mean) < 0.2 * missing_sd
+    assert 0.85 < missing.std(0).mean().item() / missing_sd < 1.15
+
+
+def _discrete(y):
+    k = pyro.sample("k", dist.Bernoulli(0.5))
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mu + k, 1.0), obs=y)
+
+
+def _first_step(what, model, y):
+    if what == "wsvgd":
+        WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), num_particles=4).step(y)
+    elif what == "stein":
+        guide = ImplicitGuide(model)
+        SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO()).step(y)
+    else:
+        {"implicit": ImplicitGuide, "semi": SemiImplicitGuide, "linearized": LinearizedGuide}[what](
+            model
+        )(y)
+
+
+@pytest.mark.parametrize("what", ["implicit", "semi", "linearized", "wsvgd", "stein"])
+def test_a_discrete_latent_is_refused_with_the_fix(what):
+    with pytest.raises(ModelError, match="cannot sample discrete site 'k'.*TraceEnum_ELBO"):
+        _first_step(what, _discrete, Y)
+
+
+def test_a_sequential_plate_is_an_unsupported_model():
+    def sequential(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        for i in pyro.plate("data", len(y)):
+            pyro.sample(f"z_{i}", dist.Normal(mu, 1.0))
+
+    with pytest.raises(UnsupportedModelError, match="with pyro.plate") as info:
+        ImplicitGuide(sequential)(Y)
+    assert isinstance(info.value, NotImplementedError)
+
+
+def _model(y=None):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", 10):
+        return pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_a_guide_first_called_without_the_data_is_refused():
+    guide = ImplicitGuide(_model)
+    Predictive(_model, guide=guide, num_samples=2)()  # 'obs' was latent in that call
+    svi = SVI(_model, guide, pyro.optim.Adam({"lr": 1e-2}), KernelRatioELBO())
+    with pytest.raises(ModelError, match=r"samples \['obs'\], which the model observes"):
+        svi.step(Y)
+
+
+def test_nan_data_are_a_data_error_through_svi():
+    y = Y.clone()
+    y[3] = float("nan")
+    svi = SVI(_model, SemiImplicitGuide(_model), pyro.optim.Adam({"lr": 1e-2}), KernelRatioELBO())
+    with pytest.raises(DataError, match="observed site 'obs' hold 1 non-finite"):
+        svi.step(y)
+
+
+@pytest.mark.parametrize("cls", [ImplicitGuide, SemiImplicitGuide, LinearizedGuide])
+def test_sampling_before_the_first_call_names_the_fix(cls):
+    guide = cls(_model)
+    with pytest.raises(RuntimeError, match=r"call guide\(\*args\)"):
+        guide.sample_posterior(3)
+    with pytest.raises(RuntimeError, match=r"call guide\(\*args\)"):
+        guide.median()
+    median = guide.median(Y)  # with the data: the set-up a first call does
+    assert set(median) == {"mu"} and torch.isfinite(median["mu"])
