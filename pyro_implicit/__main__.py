@@ -3,7 +3,7 @@
 With no arguments it runs the default job: the eight-schools model fitted with
 ``ImplicitGuide`` + ``KernelRatioELBO``, ``ImplicitGuide`` + ``SteinScoreELBO``,
 ``SemiImplicitGuide`` + ``SIVI_ELBO``, ``AutoNormal`` and ``AutoMultivariateNormal``, each
-compared with NUTS (2 chains), in about half a minute on two CPU cores. The same job with
+compared with NUTS (2 chains), in about a minute on two CPU cores. The same job with
 other settings::
 
     python -m pyro_implicit compare --model eight_schools --methods kivi,autonormal \\
@@ -132,7 +132,7 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="pyro-implicit",
         description="Fit posterior approximations to a Pyro model and compare each with "
-        "NUTS. Without arguments: the default job (eight schools, four methods).",
+        "NUTS. Without arguments: the default job (eight schools, five methods).",
     )
     parser.add_argument("--version", action="version", version=f"pyro_implicit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{compare}")

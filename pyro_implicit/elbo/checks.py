@@ -79,8 +79,10 @@ def check_observed_finite(trace):
                 raise DataError(
                     f"the data of observed site '{name}' hold {int(bad.sum())} non-finite "
                     f"value(s) (NaN or inf) out of {value.numel()}: the log-density is then "
-                    "NaN for every latent value. Remove or impute them (or mask them with "
-                    "poutine.mask / obs_mask) before fitting."
+                    "NaN for every latent value. Remove them, or let the model sample them as "
+                    "missing values: replace them by any finite value and pass "
+                    "obs_mask=torch.isfinite(y) to pyro.sample (a poutine.mask alone "
+                    "still meets the NaN)."
                 )
 
 
