@@ -534,7 +534,7 @@ def test_svgd_layout_errors_are_raised_on_every_rank(two_rank_svgd):
         kind, message, _ = caught["divide"]
         assert kind == "ValueError" and "multiple of the world size" in message
         kind, message, _ = caught["local"]
-        assert kind == "NotImplementedError" and "'shift'" in message
+        assert kind == "UnsupportedModelError" and "'shift'" in message
         assert "subsampled plate 'data'" in message
         kind, message, _ = caught["differ"]
         assert kind == "ValueError" and "different latent spaces" in message

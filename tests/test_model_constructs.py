@@ -158,3 +158,12 @@ def test_sampling_before_the_first_call_names_the_fix(cls):
         guide.median()
     median = guide.median(Y)  # with the data: the set-up a first call does
     assert set(median) == {"mu"} and torch.isfinite(median["mu"])
+
+
+def test_a_models_own_error_at_the_first_call_propagates():
+    def broken(y):
+        pyro.sample("mu", dist.Normal(0.0, 1.0))
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        ImplicitGuide(broken)(Y)

@@ -205,7 +205,8 @@ class ImplicitAutoGuide(AutoContinuous):
         except ValueError:
             # Pyro's message for a discrete site suggests enumerating it, which no loss
             # here does
-            check_trace_continuous(self.prototype_trace, type(self).__name__)
+            if getattr(self, "prototype_trace", None) is not None:  # the model ran
+                check_trace_continuous(self.prototype_trace, type(self).__name__)
             raise
         except NotImplementedError as e:
             if "sequential" not in str(e):

@@ -474,7 +474,8 @@ class ParticleInference:
                 proto._setup_prototype(*args, **kwargs)
             except ValueError:
                 # Pyro's message for a discrete site suggests enumerating it
-                check_trace_continuous(proto.prototype_trace, type(self).__name__)
+                if getattr(proto, "prototype_trace", None) is not None:  # the model ran
+                    check_trace_continuous(proto.prototype_trace, type(self).__name__)
                 raise
         for name, site in proto.prototype_trace.iter_stochastic_nodes():
             for frame in site["cond_indep_stack"]:
