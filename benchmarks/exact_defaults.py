@@ -77,6 +77,19 @@ VARIANTS = {
         SemiImplicitGuide(m, precondition=p, conditional="diagonal"),
         SIVI_ELBO(),
     ),
+    # for wide_blr (D = 150): a noise as large as the latent, and more draws than D
+    "livi_noise150": lambda m, p: (
+        LinearizedGuide(m, precondition=p, noise_dim=150),
+        LIVI_ELBO(),
+    ),
+    "livi_noise150_32": lambda m, p: (
+        LinearizedGuide(m, precondition=p, noise_dim=150),
+        LIVI_ELBO(num_particles=32),
+    ),
+    "stein_score_400": lambda m, p: (
+        ImplicitGuide(m, precondition=p),
+        SteinScoreELBO(num_particles=400),
+    ),
 }
 
 #: the bar every (problem, method) must pass

@@ -7,7 +7,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
-from .base import ImplicitAutoGuide, default_noise_dim
+from .base import ImplicitAutoGuide, default_noise_dim, network_noise_dim
 from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
 
 __all__ = ["ImplicitGuide", "SkipGenerator", "gpvi_generator"]
@@ -52,9 +52,10 @@ class ImplicitGuide(ImplicitAutoGuide):
         one that also takes ``scaled`` is passed the guide's layers as
         :class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled``, ``False``,
         ``True`` or ``"ntk"``, as :func:`gpvi_generator`'s is).
-    :param int noise_dim: noise size (default scaled to D: D up to 64, then slowly
-        growing). With ``per_site=True`` it is the noise size per site (default scaled to
-        each site).
+    :param int noise_dim: noise size (default scaled to D: D up to 256, so that q can be
+        full-rank; beyond, a network's size, 64 growing slowly:
+        :func:`~pyro_implicit.guides.base.default_noise_dim`). With ``per_site=True`` it is
+        the noise size per site (default scaled to each site).
     :param tuple hidden_dims: MLP hidden widths (default two layers of
         ``clip(2 max(d, min(D, 256)), 32, 512)``).
     :param str activation: MLP activation (``"relu"``, KIVI's choice).
@@ -269,7 +270,7 @@ class SkipGenerator(nn.Module):
     ):
         super().__init__()
         dim = int(dim)
-        k = int(active_dim) if active_dim is not None else min(dim, default_noise_dim(dim))
+        k = int(active_dim) if active_dim is not None else min(dim, network_noise_dim(dim))
         if not 1 <= k <= dim:
             raise ValueError(f"active_dim must lie in [1, {dim}], got {k}")
         if skip_scale < 0 or (skip_scale == 0 and k < dim):
