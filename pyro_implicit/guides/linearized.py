@@ -90,9 +90,11 @@ class LinearizedGuide(ImplicitAutoGuide):
         :math:`\sqrt{d/D}` of the posterior's where it is isotropic). On the
         150-coefficient regression ``wide_blr`` (``benchmarks/results/wide_blr_defaults.md``)
         the default d = 73 ended with sd ratios 0.54-0.89; d = 150 starts at the exact
-        posterior but the estimate's noise (8 draws) moved its mean 0.8 sds in 2000 steps
-        (0.27 with 32 draws after 500). Neither passes: above 64 latents, unless the model
-        is a network, prefer ``SemiImplicitGuide`` or ``ImplicitGuide``. With
+        posterior and passed there (0.15 sds off, 0.10 with 32 draws a step), but at
+        another random stream the estimate's noise (8 draws) moved its mean 0.8 sds in
+        2000 steps (a probe by hand). Above 64 latents, unless the model is a network,
+        pass ``noise_dim=D`` and more draws, or prefer ``SemiImplicitGuide`` or
+        ``ImplicitGuide``. With
         ``generator="scalable"`` z is reshaped to a near-square matrix.
     :param tuple hidden_dims: hidden widths of the MLP generator (default one layer of
         ``clip(2 max(d, min(D, 256)), 32, 512)``; the paper's toy/UCI generators have one
