@@ -45,9 +45,11 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _DIM_ALLOCATOR
 from pyro.poutine.util import site_is_subsample
+from pyro.util import check_site_shape
 from torch import nn
 from torch.distributions import biject_to
 
@@ -351,6 +353,14 @@ class LatentSpace:
         )
         space.subsample_plates = _subsample_plates(full)
         space.subsampled = space.subsampled or bool(space.subsample_plates)
+        if is_validation_enabled():
+            # Pyro's message for a site whose log-density has the wrong shape (data of
+            # shape (N, 1) in a plate of N), before a search meets it as a broadcast error
+            # that names no site
+            full.compute_log_prob()
+            for site in full.nodes.values():
+                if site["type"] == "sample" and not site_is_subsample(site):
+                    check_site_shape(site, float("inf"))
         return space
 
     @classmethod
