@@ -35,6 +35,7 @@ References
 """
 
 import collections
+import contextlib
 import functools
 import math
 import warnings
@@ -143,6 +144,19 @@ def check_trace_continuous(trace, who="NUTS"):
             continue
         if _is_discrete(site["fn"]):
             raise _discrete_site_error(name, site["fn"], who)
+
+
+@contextlib.contextmanager
+def discrete_sites_named(autoguide, who):
+    """Around an ``AutoContinuous`` prototype's set-up: Pyro's error for a discrete
+    latent site, which suggests enumerating it (nothing here enumerates), becomes
+    :func:`check_trace_continuous`'s, with the fix. Other errors pass as they are."""
+    try:
+        yield
+    except ValueError:
+        if getattr(autoguide, "prototype_trace", None) is not None:  # the model ran
+            check_trace_continuous(autoguide.prototype_trace, who)
+        raise
 
 
 def support_transform(site, who="pyro_implicit"):
@@ -374,7 +388,7 @@ class LatentSpace:
         proto = AutoContinuous(model, init_loc_fn=init_to_median)
         rng = pyro.util.get_rng_state()
         try:
-            with torch.no_grad(), poutine.block():
+            with torch.no_grad(), poutine.block(), discrete_sites_named(proto, "pyro_implicit"):
                 proto._setup_prototype(*args, **(kwargs or {}))
             init_loc = proto._init_loc().detach()
         finally:

@@ -299,9 +299,7 @@ def check_guide_covers_model(model_trace, guide_trace, who="this loss"):
     observed = [
         name
         for name, site in guide_trace.nodes.items()
-        if _is_latent(site)
-        and not (site.get("infer") or {}).get("is_auxiliary", False)
-        and model_trace.nodes.get(name, {}).get("is_observed", False)
+        if _is_latent(site) and model_trace.nodes.get(name, {}).get("is_observed", False)
     ]
     if observed:
         raise ModelError(

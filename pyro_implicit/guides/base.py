@@ -38,7 +38,7 @@ from ..latent import (
     LatentSpace,
     Preconditioner,
     check_precondition,
-    check_trace_continuous,
+    discrete_sites_named,
     resolve_precondition,
 )
 
@@ -201,13 +201,8 @@ class ImplicitAutoGuide(AutoContinuous):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
         try:
-            super()._setup_prototype(*args, **kwargs)
-        except ValueError:
-            # Pyro's message for a discrete site suggests enumerating it, which no loss
-            # here does
-            if getattr(self, "prototype_trace", None) is not None:  # the model ran
-                check_trace_continuous(self.prototype_trace, type(self).__name__)
-            raise
+            with discrete_sites_named(self, type(self).__name__):
+                super()._setup_prototype(*args, **kwargs)
         except NotImplementedError as e:
             if "sequential" not in str(e):
                 raise

@@ -67,8 +67,8 @@ from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_
 from ..latent import (
     LatentSpace,
     Preconditioner,
-    check_trace_continuous,
     complete_obs_mask,
+    discrete_sites_named,
     plate_nesting,
     resolve_precondition,
 )
@@ -469,14 +469,8 @@ class ParticleInference:
         searching = self._precondition is True
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
-        with torch.no_grad():
-            try:
-                proto._setup_prototype(*args, **kwargs)
-            except ValueError:
-                # Pyro's message for a discrete site suggests enumerating it
-                if getattr(proto, "prototype_trace", None) is not None:  # the model ran
-                    check_trace_continuous(proto.prototype_trace, type(self).__name__)
-                raise
+        with torch.no_grad(), discrete_sites_named(proto, type(self).__name__):
+            proto._setup_prototype(*args, **kwargs)
         for name, site in proto.prototype_trace.iter_stochastic_nodes():
             for frame in site["cond_indep_stack"]:
                 if frame.full_size is not None and frame.full_size != frame.size:
