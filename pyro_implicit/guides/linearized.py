@@ -92,7 +92,7 @@ class LinearizedGuide(ImplicitAutoGuide):
         the default d = 73 ended with sd ratios 0.54-0.89; d = 150 starts at the exact
         posterior and passed there (0.15 sds off, 0.10 with 32 draws a step), but at
         another random stream the estimate's noise (8 draws) moved its mean 0.8 sds in
-        2000 steps (a probe by hand). Above 64 latents, unless the model is a network,
+        2000 steps (``audit_probes_s56.md``). Above 64 latents, unless the model is a network,
         pass ``noise_dim=D`` and more draws, or prefer ``SemiImplicitGuide`` or
         ``ImplicitGuide``. With
         ``generator="scalable"`` z is reshaped to a near-square matrix.
