@@ -68,13 +68,11 @@ def test_a_guide_of_150_latents_starts_at_its_preconditioners_gaussian(guide_nam
     """With a dense Gaussian posterior (``wide_blr``, D = 150) the preconditioner is the
     posterior itself, and the guide's first draws must be too: noise of fewer than D
     coordinates would put them on a surface of lower rank (correlation errors of 0.3
-    with 73). ``LinearizedGuide`` keeps a network's noise size (its docstring), so its
-    start is that of a lower rank: the test says so."""
+    with 73, the noise both guides had above 64 latents)."""
     import pyro_implicit
 
     problem = exact_problem("wide_blr")
     guide = getattr(pyro_implicit, guide_name)(problem.model)
     guide(*problem.args)
     score = score_draws(guide.sample_posterior(4000)[problem.site], problem.posterior)
-    full_rank = score["correlation_error"] < 0.1 and 0.9 < score["sd_ratio_min"]
-    assert full_rank == (guide_name == "ImplicitGuide"), score
+    assert score["correlation_error"] < 0.1 and 0.9 < score["sd_ratio_min"], score

