@@ -1274,6 +1274,7 @@ def find_preconditioner(
                 pyro.set_rng_seed(seed)
                 vi_score = functools.partial(score, full_data=False)
             mark = time.perf_counter()
+            diagnostics["gaussian_vi_estimator"] = vi_estimator
             progress.set_postfix_str("Gaussian fit", refresh=False)
             # beyond the dense limit the fit only rescales (and shifts) L's columns:
             # fewer draws per step suffice for D + D parameters

@@ -470,17 +470,19 @@ def test_livi_asks_its_linearized_guide_for_ntk_layers(parametrization, layers):
 def test_a_guide_looked_at_before_its_loss_gets_the_loss_layers(guide_name, loss, layers):
     """A guide called first outside any loss (here by ``Predictive``, as a user looks at
     it) is rebuilt by its first loss with that loss's layers, as if the loss had built
-    it: KIVI's fit of the conjugate Normal ended 0.22 sds off with standard layers
-    (``called_first.md``)."""
+    it (KIVI's fit of the conjugate Normal ended 0.22 sds off with standard layers,
+    ``called_first.md``), in the same parameter tensors."""
     import pyro_implicit
 
     pyro.clear_param_store()
     guide = getattr(pyro_implicit, guide_name)(_two_coefficients)
     Predictive(_two_coefficients, guide=guide, num_samples=3)()
     assert guide.layers == "standard"
+    looked_at = list(guide.parameters())  # e.g. handed to a torch optimiser
     _check_built_layers(guide, loss, layers)
     store = pyro.get_param_store()
     assert all(store._params[n] is p for n, p in guide._param_store_names().items())
+    assert all(a is b for a, b in zip(guide.parameters(), looked_at, strict=True))
 
 
 @pytest.mark.parametrize("change", ["a step", "in place"])

@@ -55,7 +55,7 @@ _LAYERS = {"standard": (False, 0.0), "scaled": (True, 1.0), "ntk": ("ntk", 2.0)}
 #: :func:`requested_by_loss`)
 _GuideRequest = collections.namedtuple("_GuideRequest", "parametrization vi_estimator")
 #: a guide first called outside any loss: its own layers (see
-#: :meth:`ImplicitAutoGuide._take_loss_layers`), and the Gaussian fit's estimate that five
+#: :meth:`ImplicitAutoGuide._take_loss_request`), and the Gaussian fit's estimate that five
 #: of the six losses ask for
 _NO_REQUEST = _GuideRequest(None, "stl")
 _REQUEST = contextvars.ContextVar("guide_request", default=_NO_REQUEST)
@@ -251,13 +251,7 @@ class ImplicitAutoGuide(AutoContinuous):
         self.register_buffer("layer_code", init_loc.new_tensor(_LAYERS[self._layers][1]))
         if pending is not None:
             pending[0].setdefault("layer_code", self.layer_code.clone())
-        if self.preconditioner.is_identity:
-            self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
-            self._build_sampler(init_loc)
-        else:
-            # the sampler draws whitened z: it starts at the preconditioner's Gaussian
-            self._init_scale = 1.0 if self._init_scale_arg is None else self._init_scale_arg
-            self._build_sampler(torch.zeros_like(init_loc))
+        self._build_around_preconditioner(init_loc)
         if pending is not None:
             super().load_state_dict(*pending)
         # the sampler's parameters live in Pyro's param store, as an autoguide's do: a
@@ -265,15 +259,26 @@ class ImplicitAutoGuide(AutoContinuous):
         self._sync_param_store(pull=pending is None)
         self._store_preconditioner()
         self._store_layers()
-        # built outside any loss with layers of its own choosing: the first loss to run
-        # it may still choose them (_take_loss_layers), until anything changes its weights
-        outside = _REQUEST.get() is _NO_REQUEST
-        chosen = self._parametrization_arg == "auto" and pending is None and saved_code is None
+        # built outside any loss: the first loss to run it may still build it as it
+        # would have (_take_loss_request), until anything changes its weights
+        restored = pending is not None or saved_code is not None
         self._untrained_versions = (
-            {name: p._version for name, p in self._param_store_names().items()}
-            if outside and chosen and self.whitened
-            else None
+            None
+            if restored or _REQUEST.get() is not _NO_REQUEST
+            else {name: p._version for name, p in self._param_store_names().items()}
         )
+
+    def _build_around_preconditioner(self, init_loc):
+        """Build the sampler around :attr:`preconditioner` (``init_loc``: the packed
+        starting point, used where there is none)."""
+        self._uses_layers = False  # set by _scaled_keyword, which every layered build reads
+        if self.preconditioner.is_identity:
+            self._init_scale = 0.1 if self._init_scale_arg is None else self._init_scale_arg
+            self._build_sampler(init_loc)
+        else:
+            # the sampler draws whitened z: it starts at the preconditioner's Gaussian
+            self._init_scale = 1.0 if self._init_scale_arg is None else self._init_scale_arg
+            self._build_sampler(torch.zeros_like(init_loc))
 
     @property
     def whitened(self):
@@ -295,7 +300,8 @@ class ImplicitAutoGuide(AutoContinuous):
 
     def _scaled_keyword(self):
         """:class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled`` for these
-        layers."""
+        layers (a sampler built without reading it has no layers to choose)."""
+        self._uses_layers = True
         return _LAYERS[self._layers][0]
 
     def _saved_layer_code(self, pending=None):
@@ -467,7 +473,7 @@ class ImplicitAutoGuide(AutoContinuous):
 
     def forward(self, *args, **kwargs):
         if self.prototype_trace is not None:
-            self._take_loss_layers()
+            self._take_loss_request(args, kwargs)
             # a store loaded into a live guide replaces the tensors: read them, as a
             # PyroParam does on every access, with the preconditioner and layers saved
             # beside them
@@ -476,38 +482,76 @@ class ImplicitAutoGuide(AutoContinuous):
             self._sync_param_store(names=names)
         return super().forward(*args, **kwargs)
 
-    def _take_loss_layers(self):
-        """Give a guide first called outside any loss (to look at it, by ``Predictive``,
-        by :meth:`median`) the layers of the first loss that runs it, as if that loss had
-        built it: its fit then does not depend on the look.
+    def _take_loss_request(self, args, kwargs):
+        """Build a guide first called outside any loss (to look at it, by ``Predictive``,
+        by :meth:`median`) again as the first loss that runs it would have built it: with
+        the layers it asks for, and, where the automatic search ran a Gaussian fit, the
+        preconditioner its estimate finds. Its fit then does not depend on the look.
 
-        Only an untrained guide changes: one with ``parametrization="auto"``, not
-        restored from a saved state, whose weights nothing has changed in place since
-        they were built (an optimiser's step, a load). Its q is the same before and
-        after, the preconditioner's Gaussian (the residual starts near zero in every
-        layer kind), and the preconditioner is kept. Without this, ``KernelRatioELBO``
-        on the conjugate Normal ended 0.22 sds off with sd ratio 1.26 when the guide was
-        called first (``benchmarks/results/called_first.md``)."""
+        Only an untrained guide is rebuilt: one not restored from a saved state, whose
+        weights nothing has changed in place since they were built (an optimiser's step,
+        a load, an edit). Its q starts at the preconditioner's Gaussian either way (the
+        residual starts near zero in every layer kind), and its parameters stay the same
+        tensors (new values), so an optimiser built on ``guide.parameters()`` after the
+        look still trains it. Without this, ``KernelRatioELBO`` called first on the
+        conjugate Normal ended 0.22 sds off with sd ratio 1.26
+        (``benchmarks/results/called_first.md``)."""
         versions = self.__dict__.get("_untrained_versions")
         request = _REQUEST.get()
         if versions is None or request is _NO_REQUEST:
             return
-        self._untrained_versions = None  # a loss runs it: from now on its layers stay
+        self._untrained_versions = None  # a loss runs it: from now on it stays as it is
         names = self._param_store_names()
         store = pyro.get_param_store()
         untouched = names.keys() == versions.keys() and all(
             store._params.get(n) is p and p._version == versions[n] for n, p in names.items()
         )
-        layers = self._resolve_layers_for(request)
-        if not untouched or layers == self._layers:
+        found = getattr(self.preconditioner, "diagnostics", None) or {}
+        estimator = found.get("gaussian_vi_estimator")
+        research = self._precondition_arg[0] is True and estimator not in (
+            None,
+            request.vi_estimator,
+        )
+        relayer = (
+            self._parametrization_arg == "auto"
+            and self._uses_layers
+            and self._resolve_layers_for(request) != self._layers
+        )
+        if not untouched or not (research or relayer):
             return
         for name in names:
             del store[name]
-        self._layers = layers
-        self.layer_code.fill_(_LAYERS[layers][1])
-        self._build_sampler(self._noise_reference.new_zeros(self.latent_dim))
+        init_loc = self._init_loc()
+        if research:
+            prefix = self._store_name("preconditioner.")
+            for name in [n for n in store.keys() if n.startswith(prefix)]:
+                del store[name]
+            self.preconditioner = self._find_preconditioner(init_loc, args, kwargs)
+        if self._parametrization_arg == "auto":
+            self._layers = self._resolve_layers_for(request)
+            self.layer_code.fill_(_LAYERS[self._layers][1])
+        self._build_around_preconditioner(init_loc)
+        self._keep_parameter_tensors(list(names.values()))
         self._sync_param_store(pull=False)
+        self._store_preconditioner()
         self._store_layers()
+
+    @torch.no_grad()
+    def _keep_parameter_tensors(self, old):
+        """Give the rebuilt sampler's parameters the tensors ``old`` held (in order, shape
+        for shape), with the new values: what holds them (an optimiser) holds the guide's
+        parameters still. A sampler of another structure keeps its new tensors."""
+        new = [
+            (name, param)
+            for name, param in self.named_parameters()
+            if not name.endswith("_unconstrained")
+        ]
+        if [p.shape for _, p in new] != [p.shape for p in old]:
+            return
+        for (name, param), tensor in zip(new, old, strict=True):
+            tensor.copy_(param)
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner) if owner else self, leaf, tensor)
 
     def _adopt_stored_state(self, names):
         """Read the param store's state when its tensors are no longer this guide's.
