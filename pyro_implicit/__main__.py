@@ -468,7 +468,7 @@ def _compare(args, spec, mpn):
         precondition=args.precondition,
         nuts=None if args.nuts else False,
         diagnostics=args.diagnostics,
-        **spec.kwargs,
+        model_kwargs=spec.kwargs,
     )
 
 

@@ -233,3 +233,21 @@ def test_a_misplaced_argument_is_named(comparison, data):
         to_inference_data(vector_model, data, guide)
     with pytest.raises(TypeError, match="args must be a tuple"):
         to_inference_data(vector_model, data[0], source=guide)
+
+
+def test_a_factor_is_no_observed_site():
+    """``pyro.factor`` adds a term, not data: exported as an observed site it made a
+    second pointwise log-likelihood (one value per draw), and ``az.loo`` refused the
+    group ("Found several log likelihood arrays")."""
+
+    def ridge(y):
+        loc = pyro.sample("loc", dist.Normal(0.0, 3.0))
+        pyro.factor("ridge", -0.5 * loc**2)
+        with pyro.plate("data", y.shape[0]):
+            pyro.sample("y", dist.Normal(loc, 1.0), obs=y)
+
+    y = torch.tensor([0.5, 1.5, 1.0])
+    idata = to_inference_data(ridge, (y,), source={"loc": torch.randn(40)}, seed=0)
+    for group in ("observed_data", "log_likelihood", "posterior_predictive"):
+        assert list(idata[group].data_vars) == ["y"], group
+    az.loo(idata)

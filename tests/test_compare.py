@@ -252,6 +252,64 @@ def test_compare_rejects_unknown_method(y):
         compare(normal_normal, y, methods=("nope",))
 
 
+def test_a_model_keyword_named_like_an_option_is_refused_before_any_fit(y):
+    """``compare(model, y, lr=2.0)`` for a model taking ``lr`` set compare's learning rate
+    and ran the model at its default, silently."""
+    seen = []
+
+    def scaled(y, lr=1.0):
+        seen.append(lr)
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", y.shape[-1]):
+            pyro.sample("obs", dist.Normal(mu, lr), obs=y)
+
+    with pytest.raises(ValueError, match=r"model takes \['lr'\].*model_kwargs=\{'lr': ...\}"):
+        compare(scaled, y, lr=2.0, methods=["autonormal"], nuts=False)
+    assert not seen
+    compare(
+        scaled,
+        y,
+        methods=["autonormal"],
+        lr=0.01,
+        nuts=False,
+        diagnostics=False,
+        num_steps=1,
+        num_samples=2,
+        progress=False,
+        model_kwargs={"lr": 2.0},
+    )
+    assert seen and set(seen) == {2.0}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"lr": {"kivii": 0.1}}, r"lr names \['kivii'\], which no fitted row is"),
+        ({"lr": -0.1}, "must be a positive number"),
+        ({"lr": {"autonormal": float("inf")}}, "must be finite"),
+        ({"num_steps": 2.5}, "need an integer num_steps >= 1, got 2.5"),
+    ],
+)
+def test_bad_learning_rates_and_counts_are_refused(y, options, message):
+    with pytest.raises(ValueError, match=message):
+        compare(normal_normal, y, methods=["autonormal"], nuts=False, **options)
+
+
+def test_a_learning_rate_by_method_name_reaches_its_labelled_row(y):
+    result = compare(
+        normal_normal,
+        y,
+        methods={"mine": "autonormal"},
+        lr={"autonormal": 0.02},
+        nuts=False,
+        diagnostics=False,
+        num_steps=1,
+        num_samples=2,
+        progress=False,
+    )
+    assert result.settings["lr"] == {"mine": 0.02}
+
+
 _EXPECTED_SHAPES = {
     "eight_schools": {"mu": (), "tau": (), "theta_tilde": (8,)},
     "banana": {"x1": (), "x2": ()},

@@ -578,6 +578,29 @@ def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
 
 
+@pytest.mark.parametrize("precondition", [False, "another"])
+def test_weights_saved_around_a_preconditioner_refuse_a_guide_without_it(precondition, tmp_path):
+    """Weights act in their preconditioner's coordinates: a guide built with
+    ``precondition=False`` (or another preconditioner) on a loaded store drew from them as
+    if raw, far from the saved fit, with no error."""
+    from pyro_implicit.latent import Preconditioner
+
+    guide = _kivi_trained_guide()
+    pyro.set_rng_seed(1)
+    draws = guide.sample_posterior(5)["x"]
+    pyro.get_param_store().save(tmp_path / "store.pt")
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "store.pt")
+    if precondition == "another":
+        precondition = Preconditioner(torch.zeros(2), scale=torch.ones(2))
+    with pytest.raises(ValueError, match="precondition=True"):
+        ImplicitGuide(_two_coefficients, precondition=precondition)()
+    restored = ImplicitGuide(_two_coefficients)
+    restored()
+    pyro.set_rng_seed(1)
+    torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+
+
 def test_weights_saved_with_other_layers_are_refused(tmp_path):
     state = _livi_trained_guide().state_dict()
     pyro.get_param_store().save(tmp_path / "store.pt")

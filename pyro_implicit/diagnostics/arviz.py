@@ -170,11 +170,15 @@ def _is_deterministic(site):
 
 
 def _observed_sites(trace):
+    """The observed sites that hold data: not ``pyro.factor``'s (an auxiliary ``Unit``
+    site with no data, whose term ArviZ would take for a second pointwise likelihood:
+    ``az.loo`` then refuses the group), subsample or deterministic sites."""
     return {
         name: site
         for name, site in trace.nodes.items()
         if site["type"] == "sample"
         and site["is_observed"]
+        and not site["infer"].get("is_auxiliary", False)
         and not site_is_subsample(site)
         and not _is_deterministic(site)
     }

@@ -29,7 +29,9 @@ object}``: any Pyro ``AutoGuide`` (ours included), a ``pyro.infer.SVGD``, a
 """
 
 import copy
+import inspect
 import math
+import numbers
 import sys
 import time
 import warnings
@@ -219,6 +221,61 @@ def _resolve(methods):
     return specs
 
 
+def _model_keywords(model, kwargs, model_kwargs, options):
+    """The model's keyword arguments: ``kwargs`` and ``model_kwargs`` together. Without
+    ``model_kwargs``, an option of :func:`compare` given a value, whose name the model
+    also takes, is refused: it is read as compare's, and the model would silently run at
+    its default. With ``model_kwargs`` (the command line always passes it) the caller
+    has said which are the model's."""
+    if model_kwargs is not None:
+        if not isinstance(model_kwargs, dict):
+            raise TypeError(f"model_kwargs must be a dict, got {type(model_kwargs).__name__}")
+        both = sorted(set(model_kwargs) & set(kwargs))
+        if both:
+            raise ValueError(f"{both} given in model_kwargs and as keywords: give them once")
+        return {**model_kwargs, **kwargs}
+    try:
+        takes = inspect.signature(model).parameters
+    except (TypeError, ValueError):  # a callable without a signature: nothing to check
+        takes = {}
+    shared = [
+        name for name, (value, default) in options.items() if name in takes and value is not default
+    ]
+    if shared:
+        raise ValueError(
+            f"the model takes {shared}, which are compare's own options too, and the "
+            "values given are read as compare's: pass the model's keyword arguments as "
+            f"model_kwargs={{{', '.join(repr(n) + ': ...' for n in shared)}}} (and "
+            "compare's as before)"
+        )
+    return kwargs
+
+
+def _learning_rates(lr, specs):
+    """Each fitted row's learning rate: its method's default, or ``lr`` (a float for
+    every row, or a dict whose keys are row labels or method names)."""
+    lrs = {label: METHODS[s].lr for label, s in specs.items() if isinstance(s, str)}
+    if isinstance(lr, dict):
+        unknown = sorted(str(k) for k in lr if k not in lrs and k not in specs.values())
+        if unknown:
+            raise ValueError(
+                f"lr names {unknown}, which no fitted row is: use row labels "
+                f"{sorted(lrs)} or method names {sorted(set(specs[k] for k in lrs))}"
+            )
+        for key, value in lr.items():
+            for label in lrs:
+                if key == label or (key not in lrs and specs[label] == key):
+                    lrs[label] = value
+    elif lr is not None:
+        lrs = dict.fromkeys(lrs, lr)
+    for label, value in lrs.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+            raise ValueError(f"lr of {label!r} must be a positive number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"lr of {label!r} must be finite, got {value!r}")
+    return {label: float(value) for label, value in lrs.items()}
+
+
 def compare(
     model,
     *args,
@@ -233,6 +290,7 @@ def compare(
     lr=None,
     precondition=True,
     diagnostics=True,
+    model_kwargs=None,
     **kwargs,
 ):
     """Fit each method to ``model`` (or take it fitted) and compare its posterior with NUTS.
@@ -285,22 +343,36 @@ def compare(
         draws); one
         :class:`~pyro_implicit.diagnostics.importance.UnreliableFitWarning` names the
         guides whose k-hat exceeds 0.7.
+    :param dict model_kwargs: keyword arguments of ``model``, for names that are also
+        this function's (``lr``, ``seed``, ...): given as ``**kwargs`` they would be read
+        as its own.
     :param kwargs: keyword arguments of ``model``.
     :rtype: ComparisonResult
-    :raises ValueError: for an unknown method name, a bad count, or a model with a
-        discrete latent site (the message is NUTS's).
+    :raises ValueError: for an unknown method name, a bad count or learning rate, a
+        keyword both the model and this function take (pass the model's as
+        ``model_kwargs``), or a model with a discrete latent site (the message is
+        NUTS's).
     """
     specs = _resolve(methods)
+    options = {
+        "methods": (methods, DEFAULT_METHODS),
+        "num_steps": (num_steps, 1000),
+        "num_samples": (num_samples, 2000),
+        "nuts": (nuts, None),
+        "nuts_kwargs": (nuts_kwargs, None),
+        "seed": (seed, 0),
+        "max_plate_nesting": (max_plate_nesting, None),
+        "progress": (progress, True),
+        "lr": (lr, None),
+        "precondition": (precondition, True),
+        "diagnostics": (diagnostics, True),
+    }
+    kwargs = _model_keywords(model, kwargs, model_kwargs, options)
     model = complete_obs_mask(model)  # every row, Pyro's and NUTS's too, sees one model
-    if num_steps < 1 or num_samples < 2:
-        raise ValueError(
-            f"need num_steps >= 1 and num_samples >= 2, got {num_steps}, {num_samples}"
-        )
-    lrs = {label: METHODS[s].lr for label, s in specs.items() if isinstance(s, str)}
-    if isinstance(lr, dict):
-        lrs.update({m: float(v) for m, v in lr.items() if m in lrs})
-    elif lr is not None:
-        lrs = dict.fromkeys(lrs, float(lr))
+    for name, value, least in (("num_steps", num_steps, 1), ("num_samples", num_samples, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"need an integer {name} >= {least}, got {value!r}")
+    lrs = _learning_rates(lr, specs)
     run_kwargs = {"num_samples": 500, "warmup_steps": 300, "num_chains": 2}
     run_kwargs.update(nuts_kwargs or {})
 

@@ -252,6 +252,8 @@ class ImplicitAutoGuide(AutoContinuous):
         if pending is not None:
             pending[0].setdefault("layer_code", self.layer_code.clone())
         self._build_around_preconditioner(init_loc)
+        if pending is None:
+            self._check_stored_weights_fit(init_loc)
         if pending is not None:
             super().load_state_dict(*pending)
         # the sampler's parameters live in Pyro's param store, as an autoguide's do: a
@@ -266,6 +268,30 @@ class ImplicitAutoGuide(AutoContinuous):
             None
             if restored or _REQUEST.get() is not _NO_REQUEST
             else {name: p._version for name, p in self._param_store_names().items()}
+        )
+
+    def _check_stored_weights_fit(self, init_loc):
+        """Refuse weights in the param store (a loaded file, another fit of this name)
+        that were trained around another preconditioner than this guide's own (built
+        with ``precondition=False`` or a :class:`~pyro_implicit.latent.Preconditioner`):
+        they act in their preconditioner's coordinates, and would draw wrong values."""
+        if self._precondition_arg[0] is True:
+            return  # it takes the stored preconditioner itself
+        stored = self._stored_preconditioner(init_loc)
+        store = pyro.get_param_store()
+        if stored is None or not any(n in store for n in self._param_store_names()):
+            return
+        if _same_preconditioner(stored, self.preconditioner):
+            return
+        cls = type(self).__name__
+        raise ValueError(
+            f"Pyro's param store holds a {cls}'s weights under this guide's names, trained "
+            f"around a {stored.kind} preconditioner, but this guide was built with "
+            f"precondition={self._precondition_arg[0]!r} ({self.preconditioner.kind}): the "
+            "weights act in their own preconditioner's coordinates and would draw wrong "
+            f"values. To restore the saved fit build {cls}(model) with precondition=True "
+            "(the default: the saved preconditioner comes back, with no search); to fit "
+            "anew call pyro.clear_param_store() first"
         )
 
     def _build_around_preconditioner(self, init_loc):
