@@ -21,6 +21,8 @@ Each is also the built-in exception these problems raised before it existed
 working. :class:`PyroImplicitError` is the base of them all.
 """
 
+import numbers
+
 __all__ = [
     "DataError",
     "DivergenceError",
@@ -32,6 +34,14 @@ __all__ = [
     "UnsupportedPairError",
     "VectorizationError",
 ]
+
+
+def check_count(name, value, least=1):
+    """Refuse a count that is not an integer ``>= least`` (``ValueError`` naming it): a
+    float such as 2.5 would otherwise be truncated somewhere, or fail deep inside torch."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
 
 
 class PyroImplicitError(Exception):

@@ -126,6 +126,14 @@ def test_median_and_quantiles():
     rows = quantiles["f"].pow(2).sum(-1)  # rows of a correlation Cholesky factor: unit norm
     assert torch.allclose(rows, torch.ones_like(rows))
     assert (quantiles["c"] > 0).all()
+    # the same draws whatever ran before (they moved with the global stream), and the
+    # global stream is left where it was
+    torch.randn(3)
+    state = torch.get_rng_state()
+    again = guide.median()
+    assert torch.equal(torch.get_rng_state(), state)
+    for name, value in median.items():
+        assert torch.equal(again[name], value)
 
 
 def test_init_loc_fn_is_honoured():

@@ -180,3 +180,39 @@ def test_column_shaped_data_get_pyros_shape_error_naming_the_site():
     column = Y[:, None]  # (10, 1) in a plate of 10: the likelihood would broadcast to 10 x 10
     with pytest.raises(ValueError, match='at site "obs", invalid log_prob shape'):
         SemiImplicitGuide(_model)(column)
+
+
+def _one_latent():
+    pyro.sample("x", dist.Normal(0.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: ImplicitGuide(_one_latent, noise_dim=2.5), ValueError, "noise_dim must be an"),
+        (lambda: ImplicitGuide(_one_latent, per_site="yes"), TypeError, "per_site must be"),
+        (lambda: ImplicitGuide(_one_latent, hidden_dims=(-4, 8))(), ValueError, "hidden_dims"),
+        (lambda: ImplicitGuide(_one_latent, hidden_dims=(0,))(), ValueError, "hidden_dims"),
+        (lambda: LinearizedGuide(_one_latent, num_quantile_samples=0), ValueError, "num_quan"),
+        (lambda: SemiImplicitGuide(_one_latent, mixing_noise_dim=1.5), ValueError, "mixing_noi"),
+        (lambda: SteinScoreELBO(num_particles=2.5), ValueError, "num_particles must be an int"),
+        (
+            lambda: WeightSpaceSVGD(_one_latent, pyro.optim.Adam({"lr": 0.1}), kernel="rbf"),
+            TypeError,
+            "kernel must be a kernel object",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_by_name(build, error, message):
+    # they were accepted (a float count truncated, "yes" read as True, a zero width) or
+    # failed inside torch naming no setting
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize("count", [-1, 2.5])
+def test_a_bad_number_of_draws_is_refused_by_name(count):
+    guide = ImplicitGuide(_one_latent)
+    guide()
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 0"):
+        guide.sample_posterior(count)

@@ -50,6 +50,7 @@ from pyro.poutine.uncondition_messenger import UnconditionMessenger
 from pyro.poutine.util import site_is_subsample
 
 from .. import __version__
+from ..errors import check_count
 from ..latent import Preconditioner
 from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws
 from .importance import has_log_density, psis_diagnostic
@@ -386,6 +387,7 @@ def to_inference_data(
     args, kwargs = _model_arguments(args, kwargs, "to_inference_data")
     if source is None:
         raise TypeError("to_inference_data needs a source: an MCMC, guide, particles or draws")
+    check_count("num_samples", num_samples)
     prototype = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)

@@ -25,6 +25,7 @@ job each, and are re-exported here: reading particles off a trace in
 """
 
 import math
+import numbers
 import warnings
 
 import pyro
@@ -118,6 +119,8 @@ class ImplicitELBO(ELBO):
         check_vectorization=True,
         retain_graph=None,
     ):
+        if isinstance(num_particles, bool) or not isinstance(num_particles, numbers.Integral):
+            raise ValueError(f"num_particles must be an integer, got {num_particles!r}")
         if num_particles < self.min_particles:
             raise ValueError(
                 f"{type(self).__name__} estimates the entropy from the particles jointly and "

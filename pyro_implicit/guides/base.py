@@ -33,7 +33,7 @@ from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
 from ..contract import IMPLICIT_FLAG, implicit_site_info
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, check_count
 from ..latent import (
     LatentSpace,
     Preconditioner,
@@ -198,7 +198,7 @@ class ImplicitAutoGuide(AutoContinuous):
         self._init_scale_arg = init_scale
         # in a tuple: a Preconditioner given here is not a submodule (the one in use is)
         self._precondition_arg = (precondition,)
-        self.num_quantile_samples = int(num_quantile_samples)
+        self.num_quantile_samples = check_count("num_quantile_samples", num_quantile_samples)
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     # ------------------------------------------------------------------ set-up
@@ -736,6 +736,7 @@ class ImplicitAutoGuide(AutoContinuous):
         Keeps the autograd graph to the sampler's parameters.
         """
         self._check_ready()
+        check_count("num_samples", num_samples, least=0)
         return self.preconditioner.unwhiten(self.sample_whitened(num_samples))
 
     def sample_whitened(self, num_samples):
@@ -771,11 +772,16 @@ class ImplicitAutoGuide(AutoContinuous):
             return self.unpack(self.sample_unconstrained(num_samples))
 
     def _quantile_draws(self):
-        # The same RNG state for every call, without advancing the user's stream, so that
-        # median() and quantiles() agree and never reseed the global generator.
+        # The same draws at every call (a fixed seed, inside a fork of the streams the
+        # guide draws from: the user's streams neither advance nor move the result), so
+        # that median() and quantiles() agree and repeat whatever ran before them.
         device = self._noise_reference.device
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.random.default_generator.manual_seed(_QUANTILE_SEED)
+            if devices:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(_QUANTILE_SEED)
             return self.sample_unconstrained(self.num_quantile_samples)
 
     @torch.no_grad()
@@ -819,6 +825,9 @@ class ImplicitAutoGuide(AutoContinuous):
         """
         return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
 
+
+#: the seed of :meth:`ImplicitAutoGuide.median`'s and ``quantiles``' draws
+_QUANTILE_SEED = 0
 
 #: up to this many latent coordinates a generator's default noise is as large as the
 #: latent: its draws fill every direction, so q can start at the preconditioner's dense

@@ -7,6 +7,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
+from ..errors import check_count
 from .base import ImplicitAutoGuide, default_noise_dim, network_noise_dim
 from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
 
@@ -102,8 +103,10 @@ class ImplicitGuide(ImplicitAutoGuide):
     ):
         if isinstance(generator, str) and generator not in ("mlp", "mmnn"):
             raise ValueError(f"generator must be 'mlp', 'mmnn' or a callable, got {generator!r}")
-        if noise_dim is not None and noise_dim < 1:
-            raise ValueError(f"noise_dim must be a positive integer, got {noise_dim}")
+        if noise_dim is not None:
+            check_count("noise_dim", noise_dim)
+        if not isinstance(per_site, bool):
+            raise TypeError(f"per_site must be True or False, got {per_site!r}")
         self._generator_spec = generator
         self._noise_dim_arg = noise_dim
         self._hidden_dims = None if hidden_dims is None else tuple(hidden_dims)

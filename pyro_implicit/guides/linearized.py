@@ -33,6 +33,7 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_median
 
+from ..errors import check_count
 from ..kernels import squared_distances
 from .base import ImplicitAutoGuide, default_noise_dim
 from .networks import MLPGenerator
@@ -147,8 +148,8 @@ class LinearizedGuide(ImplicitAutoGuide):
             raise ValueError(
                 f"generator must be 'mlp', 'scalable' or a callable, got {generator!r}"
             )
-        if noise_dim is not None and noise_dim < 1:
-            raise ValueError(f"noise_dim must be a positive integer, got {noise_dim}")
+        if noise_dim is not None:
+            check_count("noise_dim", noise_dim)
         if not sigma > 0:
             raise ValueError(f"sigma (the fixed output noise) must be positive, got {sigma}")
         self._generator_spec = generator

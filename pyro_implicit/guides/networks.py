@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from ..errors import check_count
+
 __all__ = [
     "BlockGenerator",
     "MLPGenerator",
@@ -145,8 +147,10 @@ class MLPGenerator(nn.Module):
         self, noise_dim, out_dim, hidden_dims=(), activation="relu", skip=False, scaled=False
     ):
         super().__init__()
-        self.noise_dim = int(noise_dim)
-        self.out_dim = int(out_dim)
+        self.noise_dim = check_count("noise_dim", noise_dim)
+        self.out_dim = check_count("out_dim", out_dim)
+        for width in hidden_dims:
+            check_count("each of hidden_dims", width)
         self.activation = activation
         self.skip = bool(skip)
         self.skip_dim = min(self.noise_dim, self.out_dim) if self.skip else 0

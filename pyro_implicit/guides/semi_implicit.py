@@ -39,6 +39,7 @@ from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
+from ..errors import check_count
 from ..kernels import squared_distances
 from .base import ImplicitAutoGuide
 from .networks import MLPGenerator, shrink_output_rows
@@ -158,8 +159,8 @@ class SemiImplicitGuide(ImplicitAutoGuide):
             conditional = "diagonal" if precondition is False else "mixed"
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
-        if mixing_noise_dim is not None and mixing_noise_dim < 1:
-            raise ValueError(f"mixing_noise_dim must be a positive integer, got {mixing_noise_dim}")
+        if mixing_noise_dim is not None:
+            check_count("mixing_noise_dim", mixing_noise_dim)
         if conditional_scale is not None and not conditional_scale > 0:
             raise ValueError(f"conditional_scale must be positive, got {conditional_scale}")
         self.conditional = conditional

@@ -384,6 +384,11 @@ class ParticleInference:
         if kernel is None:
             whitened = not (precondition is False or precondition is None)
             kernel = default_kernel(whitened, self.num_particles)
+        if not callable(getattr(kernel, "stein_terms", None)):
+            raise TypeError(
+                "kernel must be a kernel object of pyro_implicit.kernels (e.g. RBFKernel(), "
+                f"IMQKernel()) or None for the default, got {kernel!r}"
+            )
         self.kernel = kernel
         self.method = method
         #: the :class:`~pyro_implicit.distributed.ParticleLayout` across processes, or
