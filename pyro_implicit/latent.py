@@ -147,16 +147,31 @@ def check_trace_continuous(trace, who="NUTS"):
 
 
 @contextlib.contextmanager
-def discrete_sites_named(autoguide, who):
+def prototype_errors_named(autoguide, who):
     """Around an ``AutoContinuous`` prototype's set-up: Pyro's error for a discrete
     latent site, which suggests enumerating it (nothing here enumerates), becomes
-    :func:`check_trace_continuous`'s, with the fix. Other errors pass as they are."""
+    :func:`check_trace_continuous`'s, with the fix, and its error for a model without
+    latent sites :func:`no_latent_sites_error`. Other errors pass as they are."""
     try:
         yield
     except ValueError:
         if getattr(autoguide, "prototype_trace", None) is not None:  # the model ran
             check_trace_continuous(autoguide.prototype_trace, who)
         raise
+    except RuntimeError as e:
+        if "found no latent variables" in str(e):
+            raise no_latent_sites_error(who) from e
+        raise
+
+
+def no_latent_sites_error(who):
+    """The :class:`~pyro_implicit.errors.ModelError` for a model whose every sample site
+    is observed: there is no posterior to approximate."""
+    return ModelError(
+        f"{who}: the model has no latent sites (every sample site is observed or a "
+        "pyro.param), so there is no posterior to fit; check that the latent sites are "
+        "not given obs=, and fit pyro.params with Pyro's SVI and an empty guide"
+    )
 
 
 def support_transform(site, who="pyro_implicit"):
@@ -388,7 +403,7 @@ class LatentSpace:
         proto = AutoContinuous(model, init_loc_fn=init_to_median)
         rng = pyro.util.get_rng_state()
         try:
-            with torch.no_grad(), poutine.block(), discrete_sites_named(proto, "pyro_implicit"):
+            with torch.no_grad(), poutine.block(), prototype_errors_named(proto, "pyro_implicit"):
                 proto._setup_prototype(*args, **(kwargs or {}))
             init_loc = proto._init_loc().detach()
         finally:

@@ -686,3 +686,18 @@ def test_fpovi_1d_benchmark_smoke(tmp_path, load_benchmark):
     for name in ("f-SVGD", "SVGD", "NUTS"):
         sd = summary["results"][name]["sd"]
         assert all(math.isfinite(v) and v >= 0 for v in sd.values())
+
+
+def test_a_model_that_needs_its_observations_names_call_at():
+    # model(x, y) with y required: the default call_at runs model(x) at the extra points,
+    # which failed with Python's "missing 1 required positional argument: 'y'"
+    def regression(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", x.shape[0], dim=-1):
+            f = pyro.deterministic("f", w * x, event_dim=0)
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
+
+    x = torch.linspace(-1.0, 1.0, 6)
+    svgd = FunctionSpaceSVGD(regression, pyro.optim.SGD({"lr": 0.01}), 4, 1)
+    with pytest.raises(TypeError, match=r"call_at=lambda x: \(\(x, None\), \{\}\)"):
+        svgd.step(x, 2.0 * x)

@@ -216,3 +216,27 @@ def test_a_bad_number_of_draws_is_refused_by_name(count):
     guide()
     with pytest.raises(ValueError, match="num_samples must be an integer >= 0"):
         guide.sample_posterior(count)
+
+
+def _no_latents(y):
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(0.0, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("who", ["compare", "ImplicitGuide", "WeightSpaceSVGD"])
+def test_a_model_without_latent_sites_is_refused_by_name(who):
+    # compare fitted every method first and failed in its diagnostics with Pyro's
+    # "AutoContinuous found no latent variables"; the particles named a private class
+    from pyro_implicit.diagnostics import compare
+
+    y = torch.zeros(3)
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    run = {
+        "compare": lambda: compare(_no_latents, y, methods="autonormal", nuts=False),
+        "ImplicitGuide": lambda: SVI(
+            _no_latents, ImplicitGuide(_no_latents), optim, SteinScoreELBO()
+        ).step(y),
+        "WeightSpaceSVGD": lambda: WeightSpaceSVGD(_no_latents, optim).step(y),
+    }[who]
+    with pytest.raises(ModelError, match=f"{who}: the model has no latent sites"):
+        run()

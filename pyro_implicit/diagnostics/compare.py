@@ -52,6 +52,7 @@ from ..latent import (
     PreconditionerWarning,
     check_precondition,
     complete_obs_mask,
+    no_latent_sites_error,
     plate_nesting,
 )
 from .draws import (
@@ -384,6 +385,8 @@ def compare(
     check_trace_continuous(trace)
     check_observed_finite(trace)
     shapes = latent_shapes_of(trace)
+    if not shapes:
+        raise no_latent_sites_error("compare")
     if max_plate_nesting is None:
         max_plate_nesting = plate_nesting(trace)
     mpn = max_plate_nesting

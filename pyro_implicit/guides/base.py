@@ -38,7 +38,7 @@ from ..latent import (
     LatentSpace,
     Preconditioner,
     check_precondition,
-    discrete_sites_named,
+    prototype_errors_named,
     resolve_precondition,
 )
 
@@ -204,7 +204,7 @@ class ImplicitAutoGuide(AutoContinuous):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
         try:
-            with discrete_sites_named(self, type(self).__name__):
+            with prototype_errors_named(self, type(self).__name__):
                 super()._setup_prototype(*args, **kwargs)
         except NotImplementedError as e:
             if "sequential" not in str(e):

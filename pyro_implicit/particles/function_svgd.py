@@ -30,6 +30,7 @@ gives the :math:`N / B'` factor), and the pull-back is one vector-Jacobian produ
 vectorised model run.
 """
 
+import contextlib
 import math
 
 import pyro.poutine as poutine
@@ -352,10 +353,27 @@ class FunctionSpaceSVGD(ParticleInference):
         # the extra points are i.i.d. draws of nu, so their first rows are a random choice
         return torch.cat([lab, n_lab + torch.arange(n_e)])
 
+    @contextlib.contextmanager
+    def _calls_named(self):
+        """Around a run of the model at other inputs: the default ``call_at`` runs
+        ``model(x)``, and a model that needs more arguments fails with Python's message,
+        which names neither ``call_at`` nor the fix."""
+        try:
+            yield
+        except TypeError as e:
+            if self.call_at is not _default_call_at or "argument" not in str(e):
+                raise
+            raise TypeError(
+                f"{type(self).__name__} runs the model at other inputs (the extra points "
+                "and the prior draws) as call_at(x), by default model(x), and this model "
+                f"needs other arguments ({e}): pass call_at=lambda x: ((x, None), {{}}) or "
+                "whatever runs the model at inputs x without observations"
+            ) from e
+
     def _sample_prior(self, x_p, k):
         """Function values of ``k`` prior draws at ``x_p``: ``(k, b, F)``, no gradient."""
         args, kwargs = self.call_at(x_p)
-        with torch.no_grad(), poutine.block():
+        with torch.no_grad(), poutine.block(), self._calls_named():
             trace = self._trace({}, args, kwargs, size=k, name="_prior_draws")
         return self._rows(self._function_site(trace)["value"], k, x_p.shape[0])
 
@@ -622,7 +640,8 @@ class FunctionSpaceSVGD(ParticleInference):
             # the observations are not needed there: conditioned, nothing is drawn for them
             zero = self.particles.new_zeros(())
             ext_values = dict(values, **{name: zero for name in observed})
-            ext_trace = self._trace(ext_values, ext_args, ext_kwargs)
+            with self._calls_named():
+                ext_trace = self._trace(ext_values, ext_args, ext_kwargs)
             f_ext = self._rows(self._function_site(ext_trace)["value"], n, x_nu.shape[0])
             parts.append(f_ext)
             x_parts.append(x_nu)

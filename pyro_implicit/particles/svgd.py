@@ -68,8 +68,8 @@ from ..latent import (
     LatentSpace,
     Preconditioner,
     complete_obs_mask,
-    discrete_sites_named,
     plate_nesting,
+    prototype_errors_named,
     resolve_precondition,
 )
 from ..progress import refresh_intervals
@@ -474,7 +474,7 @@ class ParticleInference:
         searching = self._precondition is True
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
-        with torch.no_grad(), discrete_sites_named(proto, type(self).__name__):
+        with torch.no_grad(), prototype_errors_named(proto, type(self).__name__):
             proto._setup_prototype(*args, **kwargs)
         for name, site in proto.prototype_trace.iter_stochastic_nodes():
             for frame in site["cond_indep_stack"]:
