@@ -291,9 +291,13 @@ def test_refresh_preconditioner_survives_a_checkpoint(precondition):
     assert svgd.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR
     svgd.step()
     state = svgd.state_dict()
+    state_particles = svgd.get_named_particles()["x"]
     svgd.step()
     resumed = run()
     resumed.load_state_dict(state)
+    # the checkpoint's particles, before any step (which would move them)
+    saved = resumed.get_named_particles()
+    torch.testing.assert_close(saved["x"], state_particles)
     resumed.step()
     assert resumed.preconditioner.source == "particles"
     assert resumed.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR

@@ -40,3 +40,21 @@ def test_the_library_bars_use_it(no_notebook, monkeypatch):
         assert bar.mininterval == LOG_INTERVAL
     finally:
         bar.close()
+
+
+def test_nuts_in_a_log_writes_a_line_per_chain(no_notebook, monkeypatch):
+    # Pyro's NUTS bar (no refresh setting of ours reaches it) wrote about ten records a
+    # second to a log
+    import pyro
+    import pyro.distributions as dist
+
+    from pyro_implicit.diagnostics.nuts import run_nuts
+
+    def normal():
+        pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    run_nuts(normal, num_samples=20, warmup_steps=20, num_chains=2, seed=0)
+    lines = log.getvalue().splitlines()
+    assert lines == [f"NUTS chain {i}/2: 20 warmup + 20 draws" for i in (1, 2)]

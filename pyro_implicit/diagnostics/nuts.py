@@ -8,6 +8,7 @@ process that tests and notebooks can control.
 
 import dataclasses
 import math
+import sys
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
 from ..errors import ModelError
 from ..latent import check_trace_continuous, complete_obs_mask
+from ..progress import refresh_intervals
 
 __all__ = [
     "MAX_R_HAT",
@@ -216,7 +218,16 @@ def run_nuts(
         pyro.set_rng_seed(seeds[0])
         check_continuous_latents(model, *args, **kwargs)
         chains, diverging, acceptance = [], [], []
-        for chain_seed in seeds:
+        # Pyro's bar redraws several times a second: written to a log, a line per chain
+        in_log = progress_bar and bool(refresh_intervals())
+        for number, chain_seed in enumerate(seeds, 1):
+            if in_log:
+                print(
+                    f"NUTS chain {number}/{len(seeds)}: {warmup_steps} warmup + "
+                    f"{num_samples} draws",
+                    file=sys.stderr,
+                    flush=True,
+                )
             pyro.set_rng_seed(chain_seed)
             if space is None:
                 kernel, initial = NUTS(model, **nuts_kwargs), None
@@ -227,7 +238,7 @@ def run_nuts(
                 num_samples=num_samples,
                 warmup_steps=warmup_steps,
                 num_chains=1,
-                disable_progbar=not progress_bar,
+                disable_progbar=not progress_bar or in_log,
                 initial_params=initial,
             )
             mcmc.run(*args, **kwargs)

@@ -459,7 +459,7 @@ def _format(row):
         f(row["energy_distance"], 3),
         f(row["correlation_error_max"]),
         f(row["ksd"], 3),
-        f(row["k_hat"]),
+        f(row["k_hat"], 3),  # 0.7015 read "0.70" beside a warning of k-hat > 0.7
         f(row["seconds"], 1),
         f(row["peak_mb"], 1),
     )

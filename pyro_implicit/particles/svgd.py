@@ -41,6 +41,7 @@ particles had spread into ``phi_raw``'s tail (``wsvgd_bandwidth.md``).
 
 import collections
 import copy
+import inspect
 import math
 
 import pyro
@@ -265,6 +266,17 @@ def _param_names(model, args, kwargs):
     finally:
         pyro.util.set_rng_state(rng)
     return tuple(name for name, site in trace.nodes.items() if site["type"] == "param")
+
+
+def _runs_without_arguments(model):
+    """Whether ``model()`` is a valid call (every parameter has a default)."""
+    try:
+        parameters = inspect.signature(model).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters
+    )
 
 
 class _Prototype(AutoContinuous):
@@ -562,7 +574,11 @@ class ParticleInference:
         state (the per-particle tensors, e.g. Adam's moments, gathered the same way), the
         preconditioner, Pyro's parameter store (the model's ``pyro.param`` values) and the
         random streams. :func:`~pyro_implicit.distributed.save_checkpoint` writes it from
-        rank 0; :meth:`load_state_dict` resumes from it with any number of ranks.
+        rank 0 and :func:`~pyro_implicit.distributed.load_checkpoint` reads it back; with
+        ``torch.save`` read it with ``torch.load(path, weights_only=False)`` (it holds the
+        preconditioner and the random streams' states, which torch's default
+        ``weights_only=True`` refuses). :meth:`load_state_dict` resumes from it with any
+        number of ranks.
 
         :rtype: dict
         """
@@ -861,12 +877,28 @@ class ParticleInference:
 
     # ------------------------------------------------------------------ results
     @torch.no_grad()
-    def get_named_particles(self):
+    def get_named_particles(self, *args, **kwargs):
         """``{site: (N, *site_shape)}`` constrained particle values, detached copies, without the
         plate-padding dims: ready for ``Predictive(model, posterior_samples=...)``, which then
-        predicts with the equal-weight mixture over particles."""
+        predicts with the equal-weight mixture over particles.
+
+        After :meth:`load_state_dict`, before any step, pass the model's arguments: they
+        set the method up and restore the checkpoint's particles, without a step (which
+        would move them)."""
+        if self._sites is None and self._resume is not None:
+            if args or kwargs or _runs_without_arguments(self.model):
+                self._setup(args, kwargs)
         if self._sites is None:
-            raise RuntimeError("no particles yet: call step(*args) first")
+            after_load = self._resume is not None
+            raise RuntimeError(
+                "no particles yet: call step(*args) first"
+                + (
+                    "; after load_state_dict, get_named_particles(*args) restores the "
+                    "checkpoint's particles without a step"
+                    if after_load
+                    else ""
+                )
+            )
         # clone: for real-valued sites the values are views of the live particle tensor
         values, _, _ = self._unpack(self.unconstrained_particles().detach().clone())
         return {
