@@ -324,7 +324,7 @@ def test_median_quantiles_and_constraints(generator):
     quantiles = guide.quantiles([0.1, 0.5, 0.9])
     for name, q in quantiles.items():
         assert q.shape == (3,) + median[name].shape
-        assert torch.equal(q[1], median[name])
+        torch.testing.assert_close(q[1], median[name])  # to float rounding: another lerp
         if name != "e":  # elementwise monotone transforms: per-coordinate quantiles
             assert (q[0] <= q[1]).all() and (q[1] <= q[2]).all()
     # the simplex: per-coordinate quantiles of u mapped into the support (as Pyro's)

@@ -396,10 +396,10 @@ class ParticleInference:
         if kernel is None:
             whitened = not (precondition is False or precondition is None)
             kernel = default_kernel(whitened, self.num_particles)
-        if not callable(getattr(kernel, "stein_terms", None)):
+        if not (isinstance(kernel, SteinKernel) or callable(getattr(kernel, "stein_terms", None))):
             raise TypeError(
                 "kernel must be a kernel object of pyro_implicit.kernels (e.g. RBFKernel(), "
-                f"IMQKernel()) or None for the default, got {kernel!r}"
+                f"IMQKernel()), a pyro SteinKernel, or None for the default, got {kernel!r}"
             )
         self.kernel = kernel
         self.method = method
