@@ -138,6 +138,10 @@ def test_each_method_gets_the_preconditioner_its_loss_asks_for(quartic_model):
         pre = preconditioner_of(result.methods[name].approximation)
         assert torch.equal(pre.scale_tril, found[estimator].scale_tril), name
     assert not torch.equal(found["entropy"].scale_tril, found["stl"].scale_tril)
+    # a row's KSD does not depend on the other rows (its coordinates did: the stl fit's
+    # where no method asked for the exact-entropy one)
+    alone = compare(quartic_model, methods=["kivi"], **kw)
+    assert alone.methods["kivi"].ksd.ksd == result.methods["kivi"].ksd.ksd
 
 
 def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):

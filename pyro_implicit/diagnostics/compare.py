@@ -338,8 +338,10 @@ def compare(
         method. Pyro's own guides and ``pyro.infer.SVGD`` are unaffected.
     :param bool diagnostics: add the checks that need no NUTS to every row: the kernel
         Stein discrepancy of its draws (:func:`~pyro_implicit.diagnostics.stein_discrepancy`,
-        all rows in the coordinates of the model's automatic preconditioner, or of the
-        one given as ``precondition``, NUTS's row too) and, for guides with a
+        all rows in the coordinates of the model's automatic preconditioner, its Gaussian
+        fit by the exact-entropy estimate whichever the methods ask for, so that a row's
+        KSD does not depend on the other rows; or of the one given as ``precondition``;
+        NUTS's row too) and, for guides with a
         log-density, PSIS k-hat (:func:`~pyro_implicit.diagnostics.psis_diagnostic`, 1000
         draws); one
         :class:`~pyro_implicit.diagnostics.importance.UnreliableFitWarning` names the
@@ -649,12 +651,16 @@ def _method_precondition(shared, method):
 
 def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed, shared=None):
     """Fill each row's ``ksd`` and ``k_hat`` (module docstring); return NUTS's KSD. The
-    KSD's coordinates are ``shared`` (the preconditioner the fits used; of several, the
-    exact-entropy fit's), if there is one."""
+    KSD's coordinates are the model's automatic preconditioner with its Gaussian fit by
+    the exact-entropy estimate, whichever the methods asked for (so a row's KSD does not
+    depend on which other rows run): taken from ``shared`` where it holds it (or where
+    its search ran no Gaussian fit, which the estimate does not change), else searched;
+    or ``shared`` itself where it is one's own preconditioner."""
     rng = pyro.util.get_rng_state()
     try:
         if isinstance(shared, dict):
-            shared = shared.get("entropy", next(iter(shared.values())))
+            any_found = next(iter(shared.values()))
+            shared = shared.get("entropy", None if _ran_gaussian_fit(any_found) else any_found)
         if isinstance(shared, Preconditioner):
             coordinates = shared
         else:
