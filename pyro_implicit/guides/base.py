@@ -285,7 +285,7 @@ class ImplicitAutoGuide(AutoContinuous):
             return
         cls = type(self).__name__
         raise ValueError(
-            f"Pyro's param store holds a {cls}'s weights under this guide's names, trained "
+            f"Pyro's param store holds {cls} weights under this guide's names, trained "
             f"around a {stored.kind} preconditioner, but this guide was built with "
             f"precondition={self._precondition_arg[0]!r} ({self.preconditioner.kind}): the "
             "weights act in their own preconditioner's coordinates and would draw wrong "
