@@ -24,8 +24,10 @@ job each, and are re-exported here: reading particles off a trace in
 :mod:`pyro_implicit.elbo.divergence`.
 """
 
+import contextlib
 import math
 import numbers
+import re
 import warnings
 
 import pyro
@@ -37,7 +39,7 @@ from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
 from ..contract import SAMPLE, check_guide_site
-from ..errors import DivergenceError, VectorizationError
+from ..errors import DivergenceError, ModelError, VectorizationError
 from ..guides.base import implicit_site_info, requested_by_loss
 from ..latent import LatentSpace, complete_obs_mask
 
@@ -126,6 +128,8 @@ class ImplicitELBO(ELBO):
                 f"{type(self).__name__} estimates the entropy from the particles jointly and "
                 f"needs num_particles >= {self.min_particles}, got {num_particles}"
             )
+        if max_plate_nesting is None:  # guessed, as the particle methods take None too
+            max_plate_nesting = float("inf")
         super().__init__(
             num_particles=num_particles,
             max_plate_nesting=max_plate_nesting,
@@ -371,11 +375,30 @@ class ImplicitELBO(ELBO):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""
         model = self._obs_mask_completed(model)
-        with self._requests():
+        with self._requests(), self._plate_collisions_named():
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss)
         self._num_evaluations += 1
         return loss, surrogate
+
+    @contextlib.contextmanager
+    def _plate_collisions_named(self):
+        """Pyro's error when a model's plate meets the particle plate (a
+        ``max_plate_nesting`` below the model's nesting) names an internal plate and says
+        to move the model's: this one names the setting to change."""
+        try:
+            yield
+        except ValueError as e:
+            found = re.search(r"collide at dim=(-\d+)", str(e))
+            if found is None:
+                raise
+            raise ModelError(
+                f"{type(self).__name__}: a plate of the model uses dim {found.group(1)}, where "
+                "this loss puts its particle plate: max_plate_nesting is smaller than the "
+                f"model's plate nesting. Pass max_plate_nesting={-int(found.group(1))} (or "
+                "more: the number of nested plates the model uses), or leave it out to have "
+                "it guessed"
+            ) from e
 
     def _obs_mask_completed(self, model):
         """:func:`~pyro_implicit.latent.complete_obs_mask` of ``model``, one wrapper per

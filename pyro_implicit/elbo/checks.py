@@ -124,6 +124,8 @@ def check_vectorized_log_joint(
         try:
             model_trace = tracer.get_trace(*args, **kwargs)
         except (RuntimeError, ValueError, IndexError) as e:
+            if "collide at dim" in str(e):
+                raise  # a max_plate_nesting too small: the loss names the setting
             crash = e
             model_trace = tracer.msngr.trace
         # one draw alone: an error here is the model's own, not one of vectorisation
