@@ -248,16 +248,19 @@ def load_uci(name, split, dtype=torch.float64):
     """
     short = _uci_name(name)
     folder = _uci_folder(short)
-    n_splits = num_splits(short)
     if not isinstance(split, (int, np.integer)) or isinstance(split, bool):
         raise TypeError(f"split must be an int, got {type(split).__name__}.")
+    # the files first: an empty folder has no splits, and "splits 0..-1" named no file
+    data_file = folder / "data.txt"
+    if not data_file.exists():
+        raise _missing(data_file, f"Data file of UCI data set {short!r}")
+    n_splits = num_splits(short)
+    if n_splits == 0:
+        raise _missing(folder / "index_train_0.txt", f"Split files of UCI data set {short!r}")
     if not 0 <= split < n_splits:
         raise ValueError(
             f"UCI data set {short!r} has splits 0..{n_splits - 1}; split {split} requested."
         )
-    data_file = folder / "data.txt"
-    if not data_file.exists():
-        raise _missing(data_file, f"Data file of UCI data set {short!r}")
     data = _read_cached(data_file)
     if not np.isfinite(data).all():
         bad = np.argwhere(~np.isfinite(data))[0]

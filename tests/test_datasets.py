@@ -124,6 +124,10 @@ def test_missing_folder_names_env_var(monkeypatch, tmp_path):
         load_uci("boston", 0)
     with pytest.raises(FileNotFoundError, match="PYRO_IMPLICIT_DATA"):
         load_mnist()
+    # a data set's folder without its files names the missing file (it said "splits 0..-1")
+    (tmp_path / "uci" / UCI_DATASETS["yacht"]).mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="Data file of UCI data set 'yacht' not found"):
+        load_uci("yacht", 0)
 
 
 def _fake_uci(root, rows):
