@@ -260,3 +260,29 @@ def test_max_plate_nesting_too_small_names_the_setting_and_none_is_guessed(loss)
         SVI(_two_plates, ImplicitGuide(_two_plates), optim, loss(max_plate_nesting=1)).step(y)
     pyro.clear_param_store()
     SVI(_two_plates, ImplicitGuide(_two_plates), optim, loss(max_plate_nesting=None)).step(y)
+
+
+def test_a_pyromodule_linear_on_sampled_weights_is_named_at_the_search():
+    # nn.Linear on sampled weights cannot take a batch of draws; the preconditioner's
+    # search met it first and raised torch's "t() expects a tensor with <= 2 dimensions"
+    from pyro.nn import PyroModule, PyroSample
+    from torch import nn
+
+    from pyro_implicit import VectorizationError
+
+    class Linear(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = PyroModule[nn.Linear](2, 1)
+            self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
+            self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+        def forward(self, x, y):
+            mean = self.fc(x).squeeze(-1)  # the weights drawn outside the data plate
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, 1.0), obs=y)
+
+    model = Linear()
+    x = torch.randn(5, 2)
+    with pytest.raises(VectorizationError, match="preconditioner search.*not written for"):
+        ImplicitGuide(model)(x, x.sum(-1))

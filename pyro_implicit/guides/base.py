@@ -33,7 +33,7 @@ from pyro.params.param_store import param_with_module_name
 from torch.distributions import biject_to
 
 from ..contract import IMPLICIT_FLAG, implicit_site_info
-from ..errors import UnsupportedModelError, check_count
+from ..errors import UnsupportedModelError, VectorizationError, check_count
 from ..latent import (
     LatentSpace,
     Preconditioner,
@@ -398,15 +398,33 @@ class ImplicitAutoGuide(AutoContinuous):
             # the search runs the model: keep it off the caller's trace and param store
             space = LatentSpace.from_guide(self, args, kwargs)
             with poutine.block():
-                found = resolve_precondition(
-                    self._precondition_arg[0],
-                    space,
-                    init_loc.detach(),
-                    args,
-                    kwargs,
-                    dense=dense,
-                    vi_estimator=_REQUEST.get().vi_estimator,
-                )
+                try:
+                    found = resolve_precondition(
+                        self._precondition_arg[0],
+                        space,
+                        init_loc.detach(),
+                        args,
+                        kwargs,
+                        dense=dense,
+                        vi_estimator=_REQUEST.get().vi_estimator,
+                    )
+                except (RuntimeError, IndexError) as e:
+                    # the search scores batches of draws; the model ran on one draw (its
+                    # prototype), so a failure here is one of vectorisation (nn.Linear on
+                    # sampled weights), which raised torch's shape error before any loss's
+                    # check could name the fix
+                    lines = str(e).strip().splitlines()
+                    raise VectorizationError(
+                        f"{type(self).__name__}'s preconditioner search scores the model at a "
+                        "batch of draws (a leading dim on every latent), and the model fails "
+                        f"there ({type(e).__name__}: {lines[0] if lines else ''}) though it "
+                        "runs on one draw: it is not written for vectorised draws, which "
+                        "every loss of this library evaluates too. Write it so that latent "
+                        "values may carry extra leading batch dims: e.g. `(x * beta).sum(-1)` "
+                        "instead of `beta @ x.T` or `torch.dot`, no `nn.Linear` on sampled "
+                        "weights, `.sum(-1)` instead of `.sum()`, no `.squeeze()`; or build "
+                        "BNNs with pyro_implicit.bnn"
+                    ) from e
         return found.diagonal() if dense is False else found
 
     # ------------------------------------------------------------------ persistence
