@@ -39,7 +39,7 @@ from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
 from ..contract import SAMPLE, check_guide_site
-from ..errors import DivergenceError, ModelError, VectorizationError
+from ..errors import DivergenceError, ModelError, RunawayWarning, VectorizationError
 from ..guides.base import implicit_site_info, requested_by_loss
 from ..latent import LatentSpace, complete_obs_mask
 
@@ -92,6 +92,28 @@ __all__ = [
 ]
 
 
+#: how far (in the preconditioner's sds, largest over coordinates) the mean of q's whitened
+#: draws may move from the preconditioner's mean before :class:`KernelRatioELBO
+#: <pyro_implicit.elbo.KernelRatioELBO>` warns that its kernel ratio is running away. On
+#: the eight stiff posteriors the fits of five other methods never went further than 9.5
+#: (the centred eight schools, whose Gaussian fit is furthest from the posterior); of 24
+#: kernel-ratio fits (the stiff posteriors at two seeds, a too-narrow start on an exact
+#: posterior at eight) the 21 that passed 12 ended 0.68-79 000 sds off or diverged, but for
+#: two that came back (0.19 and 0.27 sds off) (``benchmarks/results/kivi_drift.md``).
+RUNAWAY_DRIFT = 12.0
+
+#: the same bound for the other losses, which have no known runaway of their own: twice
+#: :data:`RUNAWAY_DRIFT`, 2.5 times the furthest their fits went on the stiff posteriors
+#: (9.5), so only a fit gone far off warns (``LIVI_ELBO`` at ``Adam(1.0)`` on a small BNN:
+#: 179)
+RUNAWAY_DRIFT_ANY = 2 * RUNAWAY_DRIFT
+
+#: every how many steps the other losses check it, and on how many of the guide's draws
+#: (fixed-seed ones: the mean's error is about 1/8 of a posterior sd, far below the bound)
+RUNAWAY_CHECK_EVERY = 50
+RUNAWAY_CHECK_DRAWS = 64
+
+
 class ImplicitELBO(ELBO):
     """Base class of losses for guides without a tractable density.
 
@@ -109,6 +131,11 @@ class ImplicitELBO(ELBO):
     #: what to use instead when a guide lacks :attr:`required_capability` (the end of
     #: the error :func:`pyro_implicit.contract.check_guide_site` raises)
     pairing_hint = "KernelRatioELBO trains every guide that can be sampled."
+
+    #: whether the loss checks its own draws' drift (``KernelRatioELBO``, every step, at
+    #: :data:`RUNAWAY_DRIFT`); the others are checked every :data:`RUNAWAY_CHECK_EVERY`
+    #: steps at :data:`RUNAWAY_DRIFT_ANY`
+    checks_own_runaway = False
 
     #: fewest draws per step the estimator works with: 2 for estimators that use the draws
     #: jointly (kernels), 1 where each draw's entropy term stands alone
@@ -379,7 +406,45 @@ class ImplicitELBO(ELBO):
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss)
         self._num_evaluations += 1
+        if self._num_evaluations % RUNAWAY_CHECK_EVERY == 0:
+            self._check_guide_drift(guide)
         return loss, surrogate
+
+    def _check_guide_drift(self, guide):
+        """Warn once (:class:`~pyro_implicit.RunawayWarning`) when the mean of an implicit
+        guide's draws has moved :data:`RUNAWAY_DRIFT_ANY` of its preconditioner's sds from
+        the preconditioner's mean: a fit gone far off with every number finite, which no
+        divergence check sees (``LIVI_ELBO`` at ``Adam(1.0)`` on a small BNN: 179 sds,
+        its loss from 157 to 2180). The draws are fixed-seed ones, as
+        :meth:`~pyro_implicit.guides.base.ImplicitAutoGuide.median`'s, so the caller's
+        random streams do not move."""
+        from ..guides.base import ImplicitAutoGuide
+
+        if self.checks_own_runaway or getattr(self, "_warned_drift", False):
+            return
+        modules = guide.modules() if isinstance(guide, torch.nn.Module) else []
+        for module in modules:
+            if not isinstance(module, ImplicitAutoGuide) or module.prototype_trace is None:
+                continue
+            if not module.whitened:
+                continue
+            z = module.preconditioner.whiten(module._quantile_draws(RUNAWAY_CHECK_DRAWS))
+            drift = z.mean(0).abs().max().item()
+            if not drift > RUNAWAY_DRIFT_ANY:
+                continue
+            self._warned_drift = True
+            warnings.warn(
+                f"{type(self).__name__}: after {self._num_evaluations} steps the mean of "
+                f"{type(module).__name__}'s draws has moved {drift:.1f} of the "
+                "preconditioner's sds from the preconditioner's mean, where posteriors sit "
+                f"within {RUNAWAY_DRIFT:.0f}: the fit is running away with every number "
+                "finite. The usual cause is a learning rate too large for this loss: lower "
+                "it (e.g. pyro.optim.Adam({'lr': 1e-3})) and check the fit before trusting "
+                "it.",
+                RunawayWarning,
+                stacklevel=4,
+            )
+            return
 
     @contextlib.contextmanager
     def _plate_collisions_named(self):

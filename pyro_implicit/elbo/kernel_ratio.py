@@ -40,6 +40,7 @@ from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, kernel_and_derivative, solve_kernel_system, squared_distances
 from ..latent import LatentSpace, preconditioner_of
 from .base import (
+    RUNAWAY_DRIFT,
     ImplicitELBO,
     _StopAfter,
     _StopAfterLatents,
@@ -58,15 +59,6 @@ __all__ = [
     "stein_identity_correction",
 ]
 
-#: how far (in the preconditioner's sds, largest over coordinates) the mean of q's whitened
-#: draws may move from the preconditioner's mean before :class:`KernelRatioELBO` warns that
-#: its kernel ratio is running away. On the eight stiff posteriors the fits of five other
-#: methods never went further than 9.5 (the centred eight schools, whose Gaussian fit is
-#: furthest from the posterior); of 24 kernel-ratio fits (the stiff posteriors at two
-#: seeds, a too-narrow start on an exact posterior at eight) the 21 that passed 12 ended
-#: 0.68-79 000 sds off or diverged, but for two that came back (0.19 and 0.27 sds off)
-#: (``benchmarks/results/kivi_drift.md``).
-RUNAWAY_DRIFT = 12.0
 
 #: the default kernel's length scale under the Stein identity correction, in units of the
 #: median pairwise distance of the draws (the paper's median rule without the correction)
@@ -319,6 +311,9 @@ class KernelRatioELBO(ImplicitELBO):
     # with scaled ones 4 of 32 ended more than 1 sd off and none ran away
     # (benchmarks/results/kivi_parametrization.md)
     guide_parametrization = "scaled"
+
+    # its draws' drift is checked every step, with its own advice (_check_runaway)
+    checks_own_runaway = True
 
     # the STL Gaussian fit: see ImplicitELBO.preconditioner_vi_estimator
     preconditioner_vi_estimator = "stl"

@@ -789,7 +789,7 @@ class ImplicitAutoGuide(AutoContinuous):
         with torch.no_grad():
             return self.unpack(self.sample_unconstrained(num_samples))
 
-    def _quantile_draws(self):
+    def _quantile_draws(self, num_samples=None):
         # The same draws at every call (a fixed seed, inside a fork of the streams the
         # guide draws from: the user's streams neither advance nor move the result), so
         # that median() and quantiles() agree and repeat whatever ran before them.
@@ -800,7 +800,7 @@ class ImplicitAutoGuide(AutoContinuous):
             if devices:
                 with torch.cuda.device(device):
                     torch.cuda.manual_seed(_QUANTILE_SEED)
-            return self.sample_unconstrained(self.num_quantile_samples)
+            return self.sample_unconstrained(num_samples or self.num_quantile_samples)
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs):
