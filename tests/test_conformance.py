@@ -883,3 +883,17 @@ def test_a_model_that_fails_at_the_draw_itself_is_not_blamed_on_vectorisation():
         assert not isinstance(info.value, VectorizationError)
     finally:
         pyro.enable_validation(True)
+
+
+@pytest.mark.parametrize("loss", [KernelRatioELBO, SteinScoreELBO])
+def test_max_plate_nesting_too_small_names_the_setting_and_none_is_guessed(loss):
+    # Pyro's collision error named the loss's internal plate and said to move the model's
+    # plate; None (which WeightSpaceSVGD takes) failed inside Pyro's ELBO
+    from pyro_implicit import ModelError
+
+    y = torch.zeros(2, 3)
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    with pytest.raises(ModelError, match="Pass max_plate_nesting=2"):
+        SVI(nested_plates, ImplicitGuide(nested_plates), optim, loss(max_plate_nesting=1)).step(y)
+    pyro.clear_param_store()
+    SVI(nested_plates, ImplicitGuide(nested_plates), optim, loss(max_plate_nesting=None)).step(y)

@@ -242,26 +242,6 @@ def test_a_model_without_latent_sites_is_refused_by_name(who):
         run()
 
 
-def _two_plates(y):
-    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-    with pyro.plate("group", 3, dim=-2):
-        a = pyro.sample("a", dist.Normal(mu, 1.0))
-        with pyro.plate("data", 4, dim=-1):
-            pyro.sample("obs", dist.Normal(a, 1.0), obs=y)
-
-
-@pytest.mark.parametrize("loss", [KernelRatioELBO, SteinScoreELBO])
-def test_max_plate_nesting_too_small_names_the_setting_and_none_is_guessed(loss):
-    # Pyro's collision error named the loss's internal plate and said to move the model's
-    # plate; None (which WeightSpaceSVGD takes) failed inside Pyro's ELBO
-    y = torch.zeros(3, 4)
-    optim = pyro.optim.Adam({"lr": 1e-2})
-    with pytest.raises(ModelError, match="Pass max_plate_nesting=2"):
-        SVI(_two_plates, ImplicitGuide(_two_plates), optim, loss(max_plate_nesting=1)).step(y)
-    pyro.clear_param_store()
-    SVI(_two_plates, ImplicitGuide(_two_plates), optim, loss(max_plate_nesting=None)).step(y)
-
-
 def test_a_pyromodule_linear_on_sampled_weights_is_named_at_the_search():
     # nn.Linear on sampled weights cannot take a batch of draws; the preconditioner's
     # search met it first and raised torch's "t() expects a tensor with <= 2 dimensions"
