@@ -479,10 +479,11 @@ class SIVIData:
     :ivar y_train: ``(n_train,)`` labels in ``{0., 1.}``.
     :ivar x_test: ``(n_test, d)`` features.
     :ivar y_test: ``(n_test,)`` labels in ``{0., 1.}``.
-    :ivar beta_mcmc: ``(250, d)`` Polya-Gamma Gibbs draws of the coefficients (the reference).
-    :ivar beta_vb: ``(250, d)`` draws of the paper's mean-field VB posterior.
-    :ivar mu_beta: ``(d,)`` mean of that VB posterior.
-    :ivar sig_beta: ``(d, d)`` covariance of that VB posterior.
+    :ivar beta_mcmc: ``(250, d)`` Polya-Gamma Gibbs draws of the coefficients (the
+        reference; ``None`` for spam, which ships without one).
+    :ivar beta_vb: ``(250, d)`` draws of the paper's mean-field VB posterior (or ``None``).
+    :ivar mu_beta: ``(d,)`` mean of that VB posterior (or ``None``).
+    :ivar sig_beta: ``(d, d)`` covariance of that VB posterior (or ``None``).
     :ivar name: data set name.
     """
 
@@ -497,7 +498,7 @@ class SIVIData:
     name: str
 
 
-_SIVI_SETS = ("waveform", "nodal")
+_SIVI_SETS = ("waveform", "nodal", "spam")
 
 
 def load_sivi(name, dtype=torch.float64):
@@ -505,13 +506,17 @@ def load_sivi(name, dtype=torch.float64):
 
     Needs scipy (a dev dependency) to read the MATLAB file.
 
-    :param str name: ``"waveform"`` (400 train / 4600 test, 22 coefficients) or ``"nodal"``
-        (25 / 28, 6 coefficients).
+    :param str name: ``"waveform"`` (400 train / 4600 test, 22 coefficients), ``"nodal"``
+        (25 / 28, 6 coefficients), or ``"spam"`` (2000 / 1000, 3 coefficients; from the
+        text files ``sivi/spam_{xtr,ytr,xte,yte}.txt`` of the paper's code, without
+        reference posteriors).
     :param torch.dtype dtype: dtype of all returned tensors.
     :rtype: SIVIData
     """
     if name not in _SIVI_SETS:
         raise ValueError(f"Unknown SIVI data set {name!r}; expected one of {_SIVI_SETS}.")
+    if name == "spam":
+        return _load_spam(dtype)
     try:
         from scipy.io import loadmat
     except ImportError as e:  # pragma: no cover - scipy is installed with the dev extra
@@ -550,6 +555,33 @@ def load_sivi(name, dtype=torch.float64):
     for field in (data.x_train, data.x_test, data.beta_mcmc):
         if not bool(torch.isfinite(field).all()):
             raise ValueError(f"SIVI data set {name!r} holds NaN or inf values.")
+    return data
+
+
+def _load_spam(dtype):
+    """The spam set as text files (no reference posteriors)."""
+    parts = {}
+    for key in ("xtr", "ytr", "xte", "yte"):
+        path = _data_path("sivi", f"spam_{key}.txt", what="SIVI data set 'spam'")
+        parts[key] = torch.as_tensor(_read_cached(path).copy(), dtype=dtype)
+    x_train, x_test = parts["xtr"].reshape(parts["xtr"].shape[0], -1), parts["xte"]
+    x_test = x_test.reshape(x_test.shape[0], -1)
+    data = SIVIData(
+        x_train=x_train,
+        y_train=parts["ytr"].reshape(-1),
+        x_test=x_test,
+        y_test=parts["yte"].reshape(-1),
+        beta_mcmc=None,
+        beta_vb=None,
+        mu_beta=None,
+        sig_beta=None,
+        name="spam",
+    )
+    if data.y_train.shape[0] != x_train.shape[0] or data.y_test.shape[0] != x_test.shape[0]:
+        raise DataError("SIVI data set 'spam': the numbers of labels and feature rows differ.")
+    for field in (x_train, x_test, data.y_train, data.y_test):
+        if not bool(torch.isfinite(field).all()):
+            raise DataError("SIVI data set 'spam' holds NaN or inf values.")
     return data
 
 

@@ -197,6 +197,19 @@ def test_waveform():
     assert float(acc) > 0.8
 
 
+@needs_data
+def test_spam_from_its_text_files():
+    # the data folder ships it, load_sivi refused it
+    from pyro_implicit.datasets import load_sivi
+
+    data = load_sivi("spam")
+    assert data.x_train.shape == (2000, 3) and data.y_train.shape == (2000,)
+    assert data.x_test.shape == (1000, 3) and data.y_test.shape == (1000,)
+    assert data.beta_mcmc is None and data.x_train.dtype == torch.float64
+    assert set(data.y_train.unique().tolist()) == {0.0, 1.0}
+    assert torch.all(data.x_train[:, 0] == 1.0)  # intercept column
+
+
 def test_public_names_documented():
     for name in datasets.__all__:
         obj = getattr(datasets, name)
