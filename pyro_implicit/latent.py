@@ -94,8 +94,9 @@ _NEWTON_STEPS = 3
 #: time); shorter searches print nothing. A model that subsamples its data is scored on
 #: all of it, one minibatch after another, so its search grows with the data (a logistic
 #: regression of 100 000 rows in minibatches of 100: 8 s, against 1.5 s without
-#: subsampling; ``benchmarks/results/precondition_subsampled.md``)
-SEARCH_PROGRESS_DELAY = 10.0
+#: subsampling; ``benchmarks/results/precondition_subsampled.md``). At 10 s a 502-weight
+#: BNN's first step (its search) stayed silent for 9.3 s, a pause a user cannot read.
+SEARCH_PROGRESS_DELAY = 3.0
 
 
 class PreconditionerWarning(UserWarning):
