@@ -171,6 +171,7 @@ class ImplicitELBO(ELBO):
         self.check_vectorization = check_vectorization
         self._checked = set()  # ids of (model, guide) pairs already checked
         self._num_evaluations = 0  # loss evaluations so far (for divergence messages)
+        self._warned_drift = False  # the runaway warning is given once
         self.diagnostics = {}
 
     # ------------------------------------------------------------------ traces
@@ -420,7 +421,7 @@ class ImplicitELBO(ELBO):
         random streams do not move."""
         from ..guides.base import ImplicitAutoGuide
 
-        if self.checks_own_runaway or getattr(self, "_warned_drift", False):
+        if self.checks_own_runaway or self._warned_drift:
             return
         modules = guide.modules() if isinstance(guide, torch.nn.Module) else []
         for module in modules:
@@ -428,7 +429,7 @@ class ImplicitELBO(ELBO):
                 continue
             if not module.whitened:
                 continue
-            z = module.preconditioner.whiten(module._quantile_draws(RUNAWAY_CHECK_DRAWS))
+            z = module.preconditioner.whiten(module._fixed_seed_draws(RUNAWAY_CHECK_DRAWS))
             drift = z.mean(0).abs().max().item()
             if not drift > RUNAWAY_DRIFT_ANY:
                 continue

@@ -789,17 +789,20 @@ class ImplicitAutoGuide(AutoContinuous):
         with torch.no_grad():
             return self.unpack(self.sample_unconstrained(num_samples))
 
-    def _quantile_draws(self, num_samples=None):
+    def _fixed_seed_draws(self, num_samples=None):
+        """``num_samples`` (default :attr:`num_quantile_samples`) unconstrained draws, the
+        same at every call: :meth:`median`'s and :meth:`quantiles`', and the losses' check
+        that a fit has not run away."""
         # The same draws at every call (a fixed seed, inside a fork of the streams the
         # guide draws from: the user's streams neither advance nor move the result), so
         # that median() and quantiles() agree and repeat whatever ran before them.
         device = self._noise_reference.device
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.random.default_generator.manual_seed(_QUANTILE_SEED)
+            torch.random.default_generator.manual_seed(_FIXED_DRAWS_SEED)
             if devices:
                 with torch.cuda.device(device):
-                    torch.cuda.manual_seed(_QUANTILE_SEED)
+                    torch.cuda.manual_seed(_FIXED_DRAWS_SEED)
             return self.sample_unconstrained(num_samples or self.num_quantile_samples)
 
     @torch.no_grad()
@@ -827,7 +830,7 @@ class ImplicitAutoGuide(AutoContinuous):
             # nothing: the quantiles are then those of the guide's starting point
             with poutine.block():
                 self(*args, **kwargs)
-        draws = self._quantile_draws()
+        draws = self._fixed_seed_draws()
         q = torch.as_tensor(quantiles, dtype=draws.dtype, device=draws.device)
         if q.dim() != 1 or (q < 0).any() or (q > 1).any():
             raise ValueError(f"quantiles must be a list of levels in [0, 1], got {quantiles}")
@@ -844,8 +847,8 @@ class ImplicitAutoGuide(AutoContinuous):
         return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
 
 
-#: the seed of :meth:`ImplicitAutoGuide.median`'s and ``quantiles``' draws
-_QUANTILE_SEED = 0
+#: the seed of :meth:`ImplicitAutoGuide._fixed_seed_draws` (median, quantiles, the runaway check)
+_FIXED_DRAWS_SEED = 0
 
 #: up to this many latent coordinates a generator's default noise is as large as the
 #: latent: its draws fill every direction, so q can start at the preconditioner's dense
