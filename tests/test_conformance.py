@@ -706,6 +706,20 @@ def test_a_nan_sampler_stops_naming_the_site(method):
         fit.step()
 
 
+def test_a_step_without_pyros_traces_that_diverges_names_the_sites():
+    # the traced-graph steps keep no Pyro traces: the message had an empty part ("step 5.
+    # The fit") and named no site (SIVI on a small BNN at Adam(0.1))
+    guide = SemiImplicitGuide(_two_sites)
+    guide(*_data()["scalar"])
+    loss = SIVI_ELBO()
+    loss._last_traces = None
+    with pytest.raises(
+        DivergenceError, match=r"loss is nan on step 1\. The guide's largest"
+    ) as info:
+        loss._check_divergence(torch.tensor(float("nan")), guide)
+    assert "'a'" in str(info.value) and "  " not in str(info.value)
+
+
 def _breaks_beyond_ten(y):
     """Two sites whose model factorises a matrix that is positive definite only while
     |a| < 10 (every prior draw): a fit that moves beyond makes the model raise a

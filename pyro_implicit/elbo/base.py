@@ -405,7 +405,7 @@ class ImplicitELBO(ELBO):
         model = self._obs_mask_completed(model)
         with self._requests(), self._plate_collisions_named():
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
-        self._check_divergence(loss)
+        self._check_divergence(loss, guide)
         self._num_evaluations += 1
         if self._num_evaluations % RUNAWAY_CHECK_EVERY == 0:
             self._check_guide_drift(guide)
@@ -475,7 +475,7 @@ class ImplicitELBO(ELBO):
             cached = self._completed_model = complete_obs_mask(model)
         return cached
 
-    def _check_divergence(self, loss):
+    def _check_divergence(self, loss, guide=None):
         traces = getattr(self, "_last_traces", None)
         value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
         if math.isfinite(value) and traces is None:
@@ -491,13 +491,23 @@ class ImplicitELBO(ELBO):
             + ", ".join(f"'{n}' up to {m:.3g}" for n, m in big.items())
             + f" in unconstrained space, beyond max_abs_draw={self.max_abs_draw:g})"
         )
-        detail = _draws_summary(guide_trace) if guide_trace is not None else ""
+        if guide_trace is not None:
+            detail = _draws_summary(guide_trace)
+        else:  # a step on a traced graph, without Pyro's traces: a few fresh draws say
+            detail = _sampler_summary(guide) if guide is not None else ""
         site = _first_nonfinite_log_prob(model_trace) if model_trace is not None else None
         if site is not None:
             detail = f"The log-density of site '{site}' is not finite. " + detail
         raise DivergenceError(
-            f"{type(self).__name__}: {what} on step {self._num_evaluations + 1}. {detail} "
-            f"The fit has diverged. {DIVERGENCE_ADVICE}"
+            " ".join(
+                part
+                for part in (
+                    f"{type(self).__name__}: {what} on step {self._num_evaluations + 1}.",
+                    detail,
+                    f"The fit has diverged. {DIVERGENCE_ADVICE}",
+                )
+                if part
+            )
         )
 
     def loss(self, model, guide, *args, **kwargs):
