@@ -245,6 +245,18 @@ class _ObsMaskCompleted:
             return self.model(*args, **kwargs)
 
 
+def check_trace_shapes(trace, max_plate_nesting):
+    """Under Pyro's validation, Pyro's own check of every sample site's log-density shape
+    (``check_site_shape``; plate subsample sites aside), whose message names the site and
+    the fix."""
+    if not is_validation_enabled():
+        return
+    trace.compute_log_prob()
+    for site in trace.nodes.values():
+        if site["type"] == "sample" and not site_is_subsample(site):
+            check_site_shape(site, max_plate_nesting)
+
+
 def _is_subsampled(trace):
     return any(
         frame.full_size is not None and frame.size != frame.full_size
@@ -383,14 +395,10 @@ class LatentSpace:
         )
         space.subsample_plates = _subsample_plates(full)
         space.subsampled = space.subsampled or bool(space.subsample_plates)
-        if is_validation_enabled():
-            # Pyro's message for a site whose log-density has the wrong shape (data of
-            # shape (N, 1) in a plate of N), before a search meets it as a broadcast error
-            # that names no site
-            full.compute_log_prob()
-            for site in full.nodes.values():
-                if site["type"] == "sample" and not site_is_subsample(site):
-                    check_site_shape(site, float("inf"))
+        # Pyro's message for a site whose log-density has the wrong shape (data of shape
+        # (N, 1) in a plate of N), before a search meets it as a broadcast error that
+        # names no site
+        check_trace_shapes(full, float("inf"))
         return space
 
     @classmethod

@@ -65,6 +65,7 @@ from .divergence import (  # noqa: F401
     _nonfinite_sites,
     _sampler_summary,
     _site_slices,
+    built_implicit_guides,
 )
 from .traces import (  # noqa: F401
     _flatten_particles,
@@ -419,14 +420,9 @@ class ImplicitELBO(ELBO):
         its loss from 157 to 2180). The draws are fixed-seed ones, as
         :meth:`~pyro_implicit.guides.base.ImplicitAutoGuide.median`'s, so the caller's
         random streams do not move."""
-        from ..guides.base import ImplicitAutoGuide
-
         if self.checks_own_runaway or self._warned_drift:
             return
-        modules = guide.modules() if isinstance(guide, torch.nn.Module) else []
-        for module in modules:
-            if not isinstance(module, ImplicitAutoGuide) or module.prototype_trace is None:
-                continue
+        for module in built_implicit_guides(guide):
             if not module.whitened:
                 continue
             z = module.preconditioner.whiten(module._fixed_seed_draws(RUNAWAY_CHECK_DRAWS))

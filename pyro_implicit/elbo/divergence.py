@@ -98,16 +98,22 @@ def _draws_summary(trace):
     return ("The guide's " + label + ", ".join(parts) + ".") if parts else ""
 
 
-def _sampler_summary(guide, num=8):
-    """The largest |draw| per site of the implicit guides inside ``guide`` (itself or the
-    parts of an ``AutoGuideList``), from a few fresh draws; "" if it has none."""
+def built_implicit_guides(guide):
+    """The implicit guides inside ``guide`` (itself or the parts of an ``AutoGuideList``)
+    that have been set up (their first call made)."""
     from ..guides.base import ImplicitAutoGuide
 
     modules = guide.modules() if isinstance(guide, torch.nn.Module) else []
+    return [
+        m for m in modules if isinstance(m, ImplicitAutoGuide) and m.prototype_trace is not None
+    ]
+
+
+def _sampler_summary(guide, num=8):
+    """The largest |draw| per site of the implicit guides inside ``guide`` (itself or the
+    parts of an ``AutoGuideList``), from a few fresh draws; "" if it has none."""
     parts = []
-    for module in modules:
-        if not isinstance(module, ImplicitAutoGuide) or module.prototype_trace is None:
-            continue
+    for module in built_implicit_guides(guide):
         with torch.no_grad():
             u = module.sample_unconstrained(num)
         start = 0

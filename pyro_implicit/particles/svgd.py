@@ -50,10 +50,8 @@ import torch
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median, init_to_sample
 from pyro.infer.svgd import SteinKernel
-from pyro.infer.util import is_validation_enabled
 from pyro.optim import PyroOptim
 from pyro.poutine.util import site_is_subsample
-from pyro.util import check_site_shape
 
 from ..compiled import BACKENDS
 from ..elbo.base import (
@@ -68,6 +66,7 @@ from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_
 from ..latent import (
     LatentSpace,
     Preconditioner,
+    check_trace_shapes,
     complete_obs_mask,
     plate_nesting,
     prototype_errors_named,
@@ -733,11 +732,7 @@ class ParticleInference:
         return trace
 
     def _check_shapes(self, trace):
-        if is_validation_enabled():
-            trace.compute_log_prob()
-            for site in trace.nodes.values():
-                if site["type"] == "sample" and not site_is_subsample(site):
-                    check_site_shape(site, self.max_plate_nesting + 1)
+        check_trace_shapes(trace, self.max_plate_nesting + 1)
 
     def _particle_sum(self, trace, names):
         """Per-particle sum of the (scaled, masked) log-densities of the named sites."""
