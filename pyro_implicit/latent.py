@@ -1311,6 +1311,10 @@ def find_preconditioner(
             if max_steps is None:
                 max_steps = _VI_MAX_STEPS if dim <= _VI_DENSE_LIMIT else vi_steps
             rounds = max_steps >= 3 * vi_steps  # a first round, one more, the settling one
+            # without rounds the starts race for a third of the round and only the better
+            # one finishes it, its rate decaying: two full rounds were 2 s of a BNN's set-up
+            # (boston, D = 751), the start that led at the third the one that won at the end
+            race = vi_steps if rounds or len(starts) == 1 else max(1, vi_steps // 3)
             fits = []
             for label, vi_start in starts:
                 try:
@@ -1326,7 +1330,7 @@ def find_preconditioner(
                         vi_score,
                         vi_estimator,
                     )
-                    level = fit.run(vi_steps, decay=1.0 if rounds else 0.1)
+                    level = fit.run(race, decay=1.0 if rounds or race < vi_steps else 0.1)
                 except (ValueError, RuntimeError) as e:
                     problem = (problem + "; " if problem else "") + (
                         f"the Gaussian fit from the {label} failed ({e})"
@@ -1350,6 +1354,8 @@ def find_preconditioner(
                     # leaving it one draw of Adam's jitter around it
                     if rounds:
                         fit.run(vi_steps, decay=0.1)
+                    elif race < vi_steps:
+                        fit.run(vi_steps - race, decay=0.1)
                 except (ValueError, RuntimeError) as e:
                     problem = (problem + "; " if problem else "") + (
                         f"the Gaussian fit from the {label} failed after {fit.steps} steps "

@@ -8,6 +8,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 
+from pyro_implicit.compiled import CompiledLogDensity
 from pyro_implicit.latent import LatentSpace
 from pyro_implicit.models import load_model
 
@@ -202,6 +203,30 @@ def test_subsampled_model_full_data_and_fresh_minibatches():
     for e, c in zip(*draws, strict=True):
         assert torch.allclose(c, e)
     assert not torch.allclose(draws[1][0], draws[1][1])  # a new minibatch each call
+
+
+@pytest.mark.parametrize("stackable", [True, False])
+def test_full_data_of_few_draws_runs_its_minibatches_stacked(stackable, monkeypatch):
+    """At few draws the full data's minibatches run stacked through one vmapped graph, in
+    as many replays as :data:`~pyro_implicit.compiled.STACKED_MINIBATCH_DRAWS` asks for
+    (a padded last stack counts its real minibatches only); a model that cannot run so
+    replays one minibatch at a time. The same numbers either way, and as eager's."""
+    if not stackable:
+        monkeypatch.setattr(CompiledLogDensity, "_trace_stacked", staticmethod(lambda *a: None))
+    g = torch.Generator().manual_seed(2)
+    # 45 rows in minibatches of 10: five minibatches, the fifth wrapping around
+    x, y = torch.randn(45, 2, generator=g), torch.randn(45, generator=g)
+    kwargs = {"subsample_size": 10}
+    eager, compiled = eager_and_compiled(subsampled, (x, y), kwargs)
+    # 1 and 8 draws: one stack of five; 20: stacks of two, the third padded; 64: one by one
+    for num, stacked in ((1, 1), (8, 2), (20, 3), (64, 3)):
+        u = torch.randn(num, 3, generator=g)
+        for expected, got in zip(
+            eager.score(u, (x, y), kwargs), compiled.score(u, (x, y), kwargs), strict=True
+        ):
+            assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+        assert compiled.compiled.stats["stacked_traces"] == (stacked if stackable else 0)
+    assert compiled.compiled.active
 
 
 def test_new_data_is_traced_anew():

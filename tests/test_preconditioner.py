@@ -317,6 +317,30 @@ def test_gaussian_fit_goes_on_in_rounds_while_its_elbo_rises(quartic_model):
     assert one_round.scale_tril.item() < 0.3
 
 
+def test_gaussian_fits_without_rounds_race_and_only_the_leader_finishes(quartic_model, monkeypatch):
+    """Without room for rounds (beyond _VI_DENSE_LIMIT coordinates, or under vi_max_steps)
+    both starts run a third of the round at a constant rate; only the one with the higher
+    ELBO then finishes the round, its rate decaying."""
+    import pyro_implicit.latent as latent
+
+    space, init = space_of(quartic_model, ())
+    runs = []
+    run = latent._GaussianFit.run
+
+    def recorded(fit, num_steps, decay=1.0, **kwargs):
+        level = run(fit, num_steps, decay, **kwargs)
+        runs.append((id(fit), num_steps, decay, level))
+        return level
+
+    monkeypatch.setattr(latent._GaussianFit, "run", recorded)
+    pre = find_preconditioner(space, init, (), vi_steps=30, vi_lr=0.02, vi_max_steps=40)
+    assert pre.source == "gaussian_vi" and pre.diagnostics["gaussian_vi_steps"] == 30
+    (first, steps_a, decay_a, level_a), (second, steps_b, decay_b, level_b), last = runs
+    assert (steps_a, decay_a, steps_b, decay_b) == (10, 1.0, 10, 1.0)
+    leader = first if level_a > level_b else second
+    assert last[:3] == (leader, 20, 0.1)
+
+
 def _exact_gaussian_fit(estimator, dense_factor):
     """A Gaussian fit on the raw-scale regression set to its exact posterior: from a
     diagonal start, with ``B = L0^{-1} chol(cov)`` (``dense_factor``) or, from the exact
