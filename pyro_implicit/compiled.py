@@ -50,11 +50,12 @@ BACKENDS = ("fx", "inductor")
 
 
 #: draws x minibatches one replay of a subsampled model's full-data graph holds: at fewer
-#: draws than this, minibatches are stacked and the graph vmapped over them, since a
+#: draws than half this, minibatches are stacked and the graph vmapped over them, since a
 #: replay's cost on small models is its nodes' Python calls, not their arithmetic (the
-#: Boston BNN's six minibatches at one draw, a MAP step: 3.9 ms one after another, about
-#: 1 ms stacked); the most rows a pass holds stays that of 64 draws of one minibatch, as
-#: the search's curvature probes already hold
+#: Boston BNN's six minibatches, a MAP step at one draw: 3.9 ms one after another, 1.2 ms
+#: stacked; at 8 draws 5.3 -> 2.5 ms, at 16 in two stacks of three 6.6 -> 6.5 ms, larger
+#: stacks slower than the loop). A pass holds fewer rows than the search's curvature
+#: probes (64 draws of one minibatch) already do.
 STACKED_MINIBATCH_DRAWS = 48
 
 
