@@ -6,7 +6,13 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_implicit.diagnostics.nuts import NUTSResult, check_continuous_latents, run_nuts
+from pyro_implicit.diagnostics.nuts import (
+    NUTSResult,
+    _full_data_kernel,
+    _full_data_space,
+    check_continuous_latents,
+    run_nuts,
+)
 
 torch.set_num_threads(1)
 
@@ -153,6 +159,25 @@ def test_subsampled_model_is_sampled_on_its_full_data():
     ess = result.min_ess
     assert abs(float(draws.mean()) - post_mean) < 4 * post_sd / math.sqrt(ess)
     assert float(draws.std()) == pytest.approx(post_sd, rel=0.15)
+
+
+def test_a_subsampled_models_potential_and_its_gradient_come_from_the_traced_graph():
+    """NUTS's potential on a subsampled model is minus the full-data log-density, its
+    gradient minus the score, both from the space's traced graph (the minibatches stacked)."""
+    y = torch.linspace(-0.5, 2.5, 12)
+    kwargs = {"subsample_size": 4}
+    space = _full_data_space(subsampled_normal, (y,), kwargs, None)
+    kernel, initial = _full_data_kernel(space, (y,), kwargs, {})
+    u = torch.tensor([0.7], requires_grad=True)
+    energy = kernel.potential_fn({"u": u})
+    (grad,) = torch.autograd.grad(energy, u)
+    # the conjugate full data: log N(mu; 0, 1) + sum_i log N(y_i; mu, 1)
+    exact = dist.Normal(0.0, 1.0).log_prob(u) + dist.Normal(u, 1.0).log_prob(y).sum()
+    (exact_grad,) = torch.autograd.grad(exact, u)
+    assert energy.item() == pytest.approx(-exact.item(), rel=1e-10)
+    assert grad.item() == pytest.approx(-exact_grad.item(), rel=1e-10)
+    stats = space.compiled.stats
+    assert space.compiled.active and stats["calls"] >= 1 and stats["stacked_traces"] == 1
 
 
 def test_constant_coordinates_have_no_r_hat_and_weak_runs_say_why():

@@ -115,7 +115,7 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
     if not _is_subsampled(trace):
         return None
     mpn = plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
-    space = LatentSpace.from_model(model, args, kwargs, mpn)
+    space = LatentSpace.from_model(model, args, kwargs, mpn).compile()
     if not space.subsample_plates:
         raise ModelError(
             "the model subsamples a plate whose minibatches cannot be enumerated, so NUTS "
@@ -125,14 +125,37 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
     return space
 
 
+class _Potential(torch.autograd.Function):
+    """Minus the log-density of one packed point from ``score``, a ``u -> (log_density,
+    score)`` of a batch (:meth:`~pyro_implicit.latent.LatentSpace.score`), with the score
+    as its gradient: a traced graph then serves NUTS's every gradient."""
+
+    @staticmethod
+    def forward(ctx, u, score):
+        log_density, grad = score(u.detach()[None])
+        ctx.save_for_backward(grad[0])
+        return -log_density[0]
+
+    @staticmethod
+    def backward(ctx, upstream):
+        (grad,) = ctx.saved_tensors
+        return -upstream * grad, None
+
+
 def _full_data_kernel(space, args, kwargs, nuts_kwargs):
     """NUTS on the packed unconstrained latent of a subsampled model, whose potential is
     minus the full-data log-density (the mean of minibatches covering every index, see
     :meth:`~pyro_implicit.latent.LatentSpace.log_density`): a stochastic minibatch
-    potential would break NUTS's energy conservation."""
+    potential would break NUTS's energy conservation. The space's traced graph
+    (:meth:`~pyro_implicit.latent.LatentSpace.compile`) gives the potential and its
+    gradient, the minibatches stacked in one replay where they are few; a model that
+    cannot be traced runs eagerly."""
+
+    def score(u):
+        return space.score(u, args, kwargs)
 
     def potential(params):
-        return -space.log_density(params["u"].unsqueeze(0), args, kwargs)[0]
+        return _Potential.apply(params["u"], score)
 
     options = {k: v for k, v in nuts_kwargs.items() if k != "max_plate_nesting"}
     return NUTS(potential_fn=potential, **options), {"u": space.init_loc.clone()}
