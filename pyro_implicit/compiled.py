@@ -623,9 +623,12 @@ class CompiledLogDensity:
             per_call = math.ceil(len(batches) / replays)
         graph = None
         if per_call > 1:
-            graph = self._trace_stacked(grad_and_value, u, _stacked(batches, per_call)[0][0])
+            stacked = _stacked(batches, per_call)[0][0]
+            graph = self._trace_stacked(grad_and_value, u, stacked)
             pyro.util.set_rng_state(rng)
-            self.stats["stacked_traces"] += graph is not None
+            if graph is not None:
+                self.stats["stacked_traces"] += 1
+                inputs = (u.detach(), *stacked)
         if graph is None:
             per_call = 1
             with pyro.validation_enabled(False), _one_fake_mode():
