@@ -341,6 +341,28 @@ def test_gaussian_fits_without_rounds_race_and_only_the_leader_finishes(quartic_
     assert last[:3] == (leader, 20, 0.1)
 
 
+@pytest.mark.parametrize("shape, source", [(2.0, "laplace"), (0.2, "gaussian_vi")])
+def test_a_diagonal_factor_beyond_the_dense_limit_is_kept_diagonal(shape, source):
+    """Beyond _VI_DENSE_LIMIT coordinates the Gaussian fit only rescales its start's
+    columns, so from a diagonal start its dense factor holds nothing off its diagonal, as
+    does the Laplace of independent coordinates: either is kept as a diagonal
+    preconditioner, the same map without a D x D product per step."""
+    from pyro_implicit.latent import _VI_DENSE_LIMIT
+
+    dim = _VI_DENSE_LIMIT + 4
+
+    def model():
+        pyro.sample("x", dist.Gamma(torch.full((dim,), shape), 1.0).to_event(1))
+
+    space, init = space_of(model, ())
+    pre = find_preconditioner(space, init, (), vi_steps=30)
+    assert pre.diagnostics["dense"] and pre.source == source
+    assert pre.kind == "diagonal" and pre.scale.shape == (dim,)
+    if source == "laplace":  # log Gamma(2, 1)'s mode log 2, its curvature 2
+        assert torch.allclose(pre.loc, torch.full((dim,), math.log(2.0)), atol=1e-4)
+        assert torch.allclose(pre.scale, torch.full((dim,), 0.5**0.5), atol=1e-4)
+
+
 def _exact_gaussian_fit(estimator, dense_factor):
     """A Gaussian fit on the raw-scale regression set to its exact posterior: from a
     diagonal start, with ``B = L0^{-1} chol(cov)`` (``dense_factor``) or, from the exact
