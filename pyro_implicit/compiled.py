@@ -60,38 +60,33 @@ STACKED_MINIBATCH_DRAWS = 48
 
 
 def _stacked(batches, per_call):
-    """``[(indices, valid)]``: ``batches`` (``{plate: indices}``) stacked ``per_call`` at a
-    time, each stack's plates' indices ``(per_call, batch)`` in the plates' order, the
-    last stack padded with copies of its first minibatch (``valid`` counts the real ones)."""
+    """``[(inputs, valid)]``: ``batches`` (tuples of a minibatch's graph inputs) stacked
+    ``per_call`` at a time, each input ``(per_call, ...)``, the last stack padded with
+    copies of its first minibatch (``valid`` counts the real ones)."""
     stacks = []
     for start in range(0, len(batches), per_call):
         part = batches[start : start + per_call]
         valid = len(part)
         part = part + [part[0]] * (per_call - valid)
-        names = list(part[0])
-        stacks.append((tuple(torch.stack([b[name] for b in part]) for name in names), valid))
+        stacks.append((tuple(torch.stack(column) for column in zip(*part, strict=True)), valid))
     return stacks
 
 
 def _over_minibatches(graph, batches, per_call=1):
-    """The full-data ``(score, log_density)`` from a minibatch's ``graph(u, *indices)``:
-    the mean over ``batches`` (:meth:`~pyro_implicit.latent.LatentSpace.log_density`).
-    With ``per_call > 1`` the graph is vmapped over ``per_call`` stacked minibatches, its
-    outputs with a leading minibatch dimension."""
-    stacks = _stacked(batches, per_call) if per_call > 1 else None
+    """The full-data ``(score, log_density)`` from a minibatch's ``graph(u, *inputs)``:
+    the mean over ``batches`` (tuples of each minibatch's inputs;
+    :meth:`~pyro_implicit.latent.LatentSpace.log_density`). With ``per_call > 1`` the
+    graph is vmapped over ``per_call`` stacked minibatches, its outputs with a leading
+    minibatch dimension."""
+    stacks = _stacked(batches, per_call) if per_call > 1 else [(b, None) for b in batches]
 
     def full(u):
-        if stacks is None:
-            grad, value = graph(u, *batches[0].values())
-            for indices in batches[1:]:
-                more_grad, more_value = graph(u, *indices.values())
-                grad, value = grad + more_grad, value + more_value
-            return grad / len(batches), value / len(batches)
         grad = value = 0.0
-        for indices, valid in stacks:
-            more_grad, more_value = graph(u, *indices)
-            grad = grad + more_grad[:valid].sum(0)
-            value = value + more_value[:valid].sum(0)
+        for inputs, valid in stacks:
+            more_grad, more_value = graph(u, *inputs)
+            if valid is not None:
+                more_grad, more_value = more_grad[:valid].sum(0), more_value[:valid].sum(0)
+            grad, value = grad + more_grad, value + more_value
         return grad / len(batches), value / len(batches)
 
     return full
@@ -585,15 +580,19 @@ class CompiledLogDensity:
 
     def _trace(self, u, args, kwargs, full_data):
         space = self.space
-        batches = space.covering_minibatches(u.device) if full_data else []
-        minibatch = len(batches) > 1
+        covering = space.covering_minibatches(u.device) if full_data else []
+        minibatch = len(covering) > 1
+        # a minibatch's graph inputs: its plates' indices, then the masks of wrapped rows
+        names, keep_names = (list(covering[0][0]), list(covering[0][1])) if minibatch else ([], [])
+        batches = [(*indices.values(), *keep.values()) for indices, keep in covering]
 
-        def log_density_sum(v, *indices):
+        def log_density_sum(v, *inputs):
             if not minibatch:
                 lp = space._eager_log_density(v, args, kwargs, full_data)
-            else:  # one minibatch, its indices an input of the graph
-                batch = dict(zip(batches[0], indices, strict=True))
-                lp = space.minibatch_log_density(v, args, kwargs, batch)
+            else:  # one minibatch, its indices (and masks) inputs of the graph
+                indices = dict(zip(names, inputs[: len(names)], strict=True))
+                keep = dict(zip(keep_names, inputs[len(names) :], strict=True))
+                lp = space.minibatch_log_density(v, args, kwargs, indices, keep)
             return lp.sum(), lp
 
         def grad_and_value(v, *indices):
@@ -614,7 +613,7 @@ class CompiledLogDensity:
         # the full data of a subsampled model runs one minibatch after another through one
         # minibatch's graph: unrolled, the graph grew with the data (a trace of 200
         # minibatches took 18 s), and so would its compilation
-        inputs = (u.detach(), *batches[0].values()) if minibatch else (u.detach(),)
+        inputs = (u.detach(), *batches[0]) if minibatch else (u.detach(),)
         per_call = 1
         if minibatch and STACKED_MINIBATCH_DRAWS // len(u) > 1:
             # as many replays as the bound asks for, the minibatches spread evenly over them

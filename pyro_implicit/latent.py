@@ -37,6 +37,7 @@ References
 import collections
 import contextlib
 import functools
+import itertools
 import math
 import warnings
 import weakref
@@ -145,6 +146,31 @@ def check_trace_continuous(trace, who="NUTS"):
             continue
         if _is_discrete(site["fn"]):
             raise _discrete_site_error(name, site["fn"], who)
+
+
+def check_no_subsampled_local_latents(trace, who):
+    """Raise where a latent sample site lies inside a subsampled plate: a packed latent
+    vector cannot size it (it would reuse the ``subsample_size`` slots for different data
+    points).
+
+    :param str who: the method named in the message.
+    :raises UnsupportedModelError: naming the site, its plate and the rewrite.
+    """
+    from .errors import UnsupportedModelError
+
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            continue
+        for frame in site["cond_indep_stack"]:
+            if frame.full_size is not None and frame.full_size != frame.size:
+                raise UnsupportedModelError(
+                    f"Latent site '{name}' is a local latent inside the subsampled plate "
+                    f"'{frame.name}' (size {frame.full_size}, subsample_size {frame.size}). "
+                    f"{who} packs all latents into one vector and cannot size it (it would "
+                    "silently reuse the subsample_size slots for different data points). "
+                    "Subsample only the likelihood: sample local latents outside the "
+                    "subsampled plate or give that plate no subsample_size."
+                )
 
 
 @contextlib.contextmanager
@@ -288,6 +314,28 @@ def _subsample_plates(trace):
         and site["fn"].subsample_size is not None
         and site["fn"].subsample_size < site["fn"].size
     }
+
+
+class _PlateWeights(Messenger):
+    """Scales the sample sites of each named plate by a factor and masks the rows a
+    ``(subsample_size,)`` bool mask leaves out (``{plate: (factor, mask or None)}``), at
+    the plate's dim; the subsample sites themselves are left alone."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = weights
+
+    def _process_message(self, msg):
+        if msg["type"] != "sample" or site_is_subsample(msg):
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.name not in self.weights:
+                continue
+            factor, mask = self.weights[frame.name]
+            msg["scale"] = factor * msg["scale"]
+            if mask is not None:
+                mask = mask.reshape((-1,) + (1,) * (-frame.dim - 1))
+                msg["mask"] = mask if msg["mask"] is None else msg["mask"] & mask
 
 
 def _is_deterministic(site):
@@ -512,11 +560,11 @@ class LatentSpace:
         Every sample site counts (latent and observed, with plate and ``subsample_size``
         scaling); ``pyro.deterministic`` sites do not.
 
-        A model that subsamples a plate is evaluated on the full data: the mean of its
-        minibatch estimates over minibatches that cover every index of each subsampled
-        plate (exact when ``subsample_size`` divides the plate's size; otherwise the
-        last minibatch wraps around and a few points count twice), so the result is a
-        deterministic function of ``u``, as a MAP search and a Hessian need; with
+        A model that subsamples a plate is evaluated on the full data, exactly: the mean
+        of its minibatch terms over :meth:`covering_minibatches` (every combination of
+        the subsampled plates' minibatches, wrapped rows masked and each plate's terms
+        weighted, :meth:`minibatch_log_density`), so the result is a deterministic
+        function of ``u``, as a MAP search, a Hessian and NUTS need; with
         ``full_data=False`` it is one minibatch estimate (as a stochastic method uses)."""
         return self._eager_log_density(u, args, kwargs, full_data)
 
@@ -525,33 +573,61 @@ class LatentSpace:
             return self._log_density(u, args, kwargs)
         batches = self.covering_minibatches(u.device)
         total = 0.0
-        for indices in batches:
-            total = total + self.minibatch_log_density(u, args, kwargs, indices)
+        for indices, keep in batches:
+            total = total + self.minibatch_log_density(u, args, kwargs, indices, keep)
         return total / len(batches)
 
     def covering_minibatches(self, device=None):
-        """``[{plate: indices}]``: consecutive minibatches of each subsampled plate that
-        together hold every index (the last wraps around); empty for a model that does not
-        subsample."""
+        """``[(indices, keep)]``: the minibatches a full-data pass runs, every combination
+        of each subsampled plate's consecutive minibatches (the Cartesian product, so that
+        crossed plates meet in every block and independent plates each cover their data),
+        ``indices`` ``{plate: indices}``. A plate whose ``subsample_size`` does not divide
+        its size wraps its last minibatch around to its first rows; ``keep`` ``{plate:
+        bool mask}`` (for those plates only) leaves the wrapped rows out. Empty for a model
+        that does not subsample."""
         plates = self.subsample_plates
         if not plates:
             return []
-        count = max(math.ceil(size / batch) for size, batch in plates.values())
+        blocks = []
+        for size, batch in plates.values():
+            count = math.ceil(size / batch)
+            positions = [
+                torch.arange(k * batch, (k + 1) * batch, device=device) for k in range(count)
+            ]
+            blocks.append(
+                [(pos % size, pos < size if count * batch > size else None) for pos in positions]
+            )
+        names = list(plates)
         return [
-            {
-                name: torch.arange(k * batch, (k + 1) * batch, device=device) % size
-                for name, (size, batch) in plates.items()
-            }
-            for k in range(count)
+            (
+                {name: indices for name, (indices, _) in zip(names, combination, strict=True)},
+                {
+                    name: keep
+                    for name, (_, keep) in zip(names, combination, strict=True)
+                    if keep is not None
+                },
+            )
+            for combination in itertools.product(*blocks)
         ]
 
-    def minibatch_log_density(self, u, args, kwargs, indices):
+    def minibatch_log_density(self, u, args, kwargs, indices, keep=None):
         """The log-density of the rows of ``u`` on the minibatch ``{plate: indices}`` (the
-        plates' subsample sites conditioned on them), scaled as the model's plates scale
-        a minibatch."""
+        plates' subsample sites conditioned on them) as one term of a full-data pass over
+        :meth:`covering_minibatches`: each subsampled plate's sites scaled as the model's
+        plates scale a minibatch and by the share of its padded passes in its size
+        (``count * subsample_size / size``, 1 where the minibatches tile the plate), the
+        rows ``keep`` (``{plate: bool mask}``) leaves out masked, so that the mean over the
+        covering minibatches is the full-data log-density."""
         model = self.model
+        weights = {}
+        for name, (size, batch) in self.subsample_plates.items():
+            factor = math.ceil(size / batch) * batch / size
+            mask = (keep or {}).get(name)
+            if factor != 1.0 or mask is not None:
+                weights[name] = (factor, mask)
         try:
-            self.model = poutine.condition(model, data=indices)
+            conditioned = poutine.condition(model, data=indices)
+            self.model = _PlateWeights(weights)(conditioned) if weights else conditioned
             return self._log_density(u, args, kwargs)
         finally:
             self.model = model

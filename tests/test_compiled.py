@@ -229,6 +229,63 @@ def test_full_data_of_few_draws_runs_its_minibatches_stacked(stackable, monkeypa
     assert compiled.compiled.active
 
 
+def two_data_sets(ya, yb, sizes=(None, None)):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    nu = pyro.sample("nu", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("a", ya.shape[0], subsample_size=sizes[0]) as i:
+        pyro.sample("ya", dist.Normal(mu, nu), obs=ya[i])
+    with pyro.plate("b", yb.shape[0], subsample_size=sizes[1]) as j:
+        pyro.sample("yb", dist.Normal(-mu, 1.0), obs=yb[j])
+
+
+def crossed(y, sizes=(None, None)):
+    rows = pyro.sample("rows", dist.Normal(0.0, 1.0).expand([y.shape[0]]).to_event(1))
+    cols = pyro.sample("cols", dist.Normal(0.0, 1.0).expand([y.shape[1]]).to_event(1))
+    with pyro.plate("r", y.shape[0], subsample_size=sizes[0], dim=-2) as r:
+        with pyro.plate("c", y.shape[1], subsample_size=sizes[1], dim=-1) as c:
+            mean = rows[..., r].unsqueeze(-1) + cols[..., c].unsqueeze(-2)
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=y[r][:, c])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "one plate, wrapped",
+        "two data sets",
+        "two data sets, wrapped",
+        "crossed",
+        "crossed, wrapped",
+    ],
+)
+def test_full_data_of_any_subsampled_layout_is_exact(layout):
+    """The full data of a subsampled model, eager and traced (minibatches stacked or one by
+    one), is the unsubsampled model's log-density and score: independent plates each
+    cover their data, crossed plates meet in every block, and the rows a wrapped last
+    minibatch repeats are masked (each plate's terms weighted to make up for them)."""
+    g = torch.Generator().manual_seed(4)
+    if layout.startswith("one plate"):
+        x, y = torch.randn(45, 2, generator=g), torch.randn(45, generator=g)
+        model, args, mpn, dim = subsampled, (x, y), 1, 3
+        sub, full = {"subsample_size": 10}, {}
+    elif layout.startswith("two data sets"):
+        model, mpn, dim = two_data_sets, 1, 2
+        args = (torch.randn(60, generator=g), torch.randn(20, generator=g))
+        sub, full = {"sizes": (10, 6 if "wrapped" in layout else 5)}, {}
+    else:
+        model, args, mpn = crossed, (torch.randn(12, 8, generator=g),), 2
+        dim = 20
+        sub, full = {"sizes": (5 if "wrapped" in layout else 6, 4)}, {}
+    exact = LatentSpace.from_model(model, args, full, mpn)
+    eager, compiled = eager_and_compiled(model, args, sub, mpn)
+    for num in (1, 8, 64):
+        u = 0.3 * torch.randn(num, dim, generator=g)
+        expected = exact.score(u, args, full)
+        for space in (eager, compiled):
+            for got, want in zip(space.score(u, args, sub), expected, strict=True):
+                assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+    assert compiled.compiled.active and compiled.compiled.stats["stacked_traces"] >= 1
+
+
 def test_new_data_is_traced_anew():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(30, 2, generator=g), torch.randn(30, generator=g)

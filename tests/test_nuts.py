@@ -180,6 +180,21 @@ def test_a_subsampled_models_potential_and_its_gradient_come_from_the_traced_gra
     assert space.compiled.active and stats["calls"] >= 1 and stats["stacked_traces"] == 1
 
 
+def test_a_local_latent_in_a_subsampled_plate_is_refused_with_the_rewrite():
+    """NUTS on the full data packs the latents in one vector, as the guides do: a local
+    latent of a subsampled plate (its draws would be subsample_size slots reused for
+    every minibatch) is refused, as the guides refuse it."""
+
+    def model(y, subsample_size=None):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", y.shape[0], subsample_size=subsample_size) as idx:
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            pyro.sample("obs", dist.Normal(z, 1.0), obs=y[idx])
+
+    with pytest.raises(NotImplementedError, match="'z' is a local latent.*subsampled plate"):
+        run_nuts(model, torch.zeros(12), num_samples=4, progress_bar=False, subsample_size=4)
+
+
 def test_constant_coordinates_have_no_r_hat_and_weak_runs_say_why():
     """An LKJ factor's fixed entries are constant in every chain: their R-hat is nan and
     is left out of max_r_hat; a short run says why it is weak."""

@@ -20,7 +20,11 @@ from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
 from ..errors import ModelError
-from ..latent import check_trace_continuous, complete_obs_mask
+from ..latent import (
+    check_no_subsampled_local_latents,
+    check_trace_continuous,
+    complete_obs_mask,
+)
 from ..progress import refresh_intervals
 
 __all__ = [
@@ -114,6 +118,7 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
         pyro.util.set_rng_state(rng)
     if not _is_subsampled(trace):
         return None
+    check_no_subsampled_local_latents(trace, "NUTS on the full data")
     mpn = plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
     space = LatentSpace.from_model(model, args, kwargs, mpn).compile()
     if not space.subsample_plates:

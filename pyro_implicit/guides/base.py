@@ -37,6 +37,7 @@ from ..errors import UnsupportedModelError, VectorizationError, check_count
 from ..latent import (
     LatentSpace,
     Preconditioner,
+    check_no_subsampled_local_latents,
     check_precondition,
     prototype_errors_named,
     resolve_precondition,
@@ -222,16 +223,7 @@ class ImplicitAutoGuide(AutoContinuous):
                         f"`with pyro.plate('{frame.name}', size):` instead of "
                         f"`for i in pyro.plate(...)`."
                     )
-                if frame.full_size is not None and frame.full_size != frame.size:
-                    raise UnsupportedModelError(
-                        f"Latent site '{name}' is a local latent inside the subsampled plate "
-                        f"'{frame.name}' (size {frame.full_size}, subsample_size "
-                        f"{frame.size}). {type(self).__name__} packs all latents into one "
-                        "vector and cannot size it (it would silently reuse the "
-                        "subsample_size slots for different data points). Subsample only "
-                        "the likelihood: sample local latents outside the subsampled plate "
-                        "or give that plate no subsample_size."
-                    )
+        check_no_subsampled_local_latents(self.prototype_trace, type(self).__name__)
         self._max_plate_nesting = max(
             [-f.dim for fs in self._cond_indep_stacks.values() for f in fs] + [0]
         )

@@ -61,11 +61,11 @@ from ..elbo.base import (
     particle_sum,
 )
 from ..elbo.kernel_ratio import _dense_gaussian
-from ..errors import UnsupportedModelError
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import (
     LatentSpace,
     Preconditioner,
+    check_no_subsampled_local_latents,
     check_trace_shapes,
     complete_obs_mask,
     plate_nesting,
@@ -487,15 +487,7 @@ class ParticleInference:
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
         with torch.no_grad(), prototype_errors_named(proto, type(self).__name__):
             proto._setup_prototype(*args, **kwargs)
-        for name, site in proto.prototype_trace.iter_stochastic_nodes():
-            for frame in site["cond_indep_stack"]:
-                if frame.full_size is not None and frame.full_size != frame.size:
-                    raise UnsupportedModelError(
-                        f"Latent site '{name}' lies in the subsampled plate '{frame.name}' "
-                        f"({frame.size} of {frame.full_size}): particle methods pack a fixed "
-                        "latent vector and cannot hold local latents of a subsampled plate. "
-                        "Subsample only plates without latent sites."
-                    )
+        check_no_subsampled_local_latents(proto.prototype_trace, type(self).__name__)
         self.space = LatentSpace.from_guide(
             proto, args, kwargs, max_plate_nesting=self.max_plate_nesting
         )
