@@ -574,8 +574,14 @@ class CompiledLogDensity:
             # the cache
             self._graphs[key] = graph = (graph, args, kwargs)
         self._graphs.move_to_end(key)
+        try:
+            grad, value = graph[0](u.detach())
+        except RuntimeError as e:
+            # a minibatch whose data give the graph other shapes than the traced one's (a
+            # boolean mask of the data) that the replay check's minibatch did not show
+            self._give_up(f"the traced graph failed on a later call ({str(e).splitlines()[0]})")
+            return None
         self.stats["calls"] += 1
-        grad, value = graph[0](u.detach())
         return value, grad
 
     def _trace(self, u, args, kwargs, full_data):
@@ -608,7 +614,8 @@ class CompiledLogDensity:
             self._check_model(args, kwargs)
             pyro.util.set_rng_state(rng)
         with torch.no_grad():
-            space._eager_log_density(u.detach(), args, kwargs, full_data)
+            expected = space._eager_log_density(u.detach(), args, kwargs, full_data)
+        after = pyro.util.get_rng_state()
         pyro.util.set_rng_state(rng)
         # the full data of a subsampled model runs one minibatch after another through one
         # minibatch's graph: unrolled, the graph grew with the data (a trace of 200
@@ -645,7 +652,39 @@ class CompiledLogDensity:
             graph(*inputs)  # compile now, so that its time is counted here
             pyro.util.set_rng_state(rng)
             self.stats["compile_seconds"] += time.perf_counter() - start
-        return _over_minibatches(graph, batches, per_call) if minibatch else graph
+        graph = _over_minibatches(graph, batches, per_call) if minibatch else graph
+        try:
+            self._check_replay(graph, u, args, kwargs, full_data, expected, after)
+        finally:  # the first replay, or the eager run that replaces it, draws from here
+            pyro.util.set_rng_state(rng)
+        return graph
+
+    def _check_replay(self, graph, u, args, kwargs, full_data, expected, after):
+        """Raise :class:`_Uncompilable` where the graph does not reproduce the eager model
+        on other data than it was traced on: a number or a shape the model computes from
+        a minibatch's data (``len(y[idx].nonzero())``, a boolean mask) is frozen in the
+        graph at the traced minibatch's value. The full data replays every minibatch
+        against the eager full-data value; a minibatch graph replays another minibatch
+        (the random streams at ``after``) against an eager run on the same one."""
+        if not full_data:
+            pyro.util.set_rng_state(after)
+            with torch.no_grad():
+                expected = self.space._eager_log_density(u.detach(), args, kwargs, False)
+            pyro.util.set_rng_state(after)
+        try:
+            _, value = graph(u.detach())
+        except RuntimeError as e:
+            raise _Uncompilable(
+                "the traced graph failed on another minibatch (a shape the model computes "
+                f"from the data?): {str(e).splitlines()[0]}"
+            ) from e
+        tol = torch.finfo(expected.dtype).eps ** 0.5
+        if not torch.allclose(value, expected, rtol=tol, atol=tol * (1 + expected.abs().max())):
+            raise _Uncompilable(
+                "the traced graph gives another log-density than the model on other "
+                "minibatches than the one it was traced on (a number or a shape the model "
+                "computes from the data, frozen in the graph)"
+            )
 
     @staticmethod
     def _trace_stacked(grad_and_value, u, stacked_indices):

@@ -286,6 +286,48 @@ def test_full_data_of_any_subsampled_layout_is_exact(layout):
     assert compiled.compiled.active and compiled.compiled.stats["stacked_traces"] >= 1
 
 
+def counts_positives(x, y, subsample_size=None):
+    # a Python number computed from the minibatch's data: a graph freezes it
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with pyro.plate("data", y.shape[0], subsample_size=subsample_size) as idx:
+        positives = len(torch.nonzero(y[idx] > 0))
+        scale = 0.3 + 0.1 * positives
+        pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), scale), obs=y[idx])
+
+
+def masks_positives(x, y, subsample_size=None):
+    # a shape computed from the minibatch's data: a graph's replay on another fails
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with pyro.plate("data", y.shape[0], subsample_size=subsample_size) as idx:
+        mean = (x[idx] * w).sum(-1)
+        pyro.sample("obs", dist.Normal(mean, 0.5), obs=y[idx])
+    positive = y[idx] > 0
+    pyro.factor("penalty", -((y[idx] - mean)[..., positive] ** 2).sum(-1))
+
+
+@pytest.mark.parametrize("model", [counts_positives, masks_positives])
+@pytest.mark.parametrize("full_data", [True, False])
+def test_a_model_whose_graph_depends_on_the_datas_values_runs_eagerly(model, full_data):
+    """A number or a shape the model computes from a minibatch's data is frozen in the
+    traced graph: its replay on other minibatches gave another log-density or failed.
+    The trace is checked against the eager model on other minibatches, and the space runs
+    eagerly, saying why."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(60, 2, generator=g), torch.randn(60, generator=g)
+    kwargs = {"subsample_size": 10}
+    eager, compiled = eager_and_compiled(model, (x, y), kwargs)
+    u = torch.randn(4, 2, generator=g)
+    for _ in range(3):  # fresh minibatches on every call where full_data=False
+        pyro.set_rng_seed(7)
+        want = eager.score(u, (x, y), kwargs, full_data)
+        pyro.set_rng_seed(7)
+        got = compiled.score(u, (x, y), kwargs, full_data)
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+    assert not compiled.compiled.active
+    assert "other minibatch" in compiled.compiled.fallback_reason
+
+
 def test_new_data_is_traced_anew():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(30, 2, generator=g), torch.randn(30, generator=g)
