@@ -21,18 +21,10 @@ from unittest import mock
 
 import _provenance
 import torch
-from precondition_subsampled import logistic_regression
+from precondition_subsampled import logistic_regression, simulated
 
 from pyro_implicit.diagnostics.nuts import run_nuts
 from pyro_implicit.latent import LatentSpace
-
-
-def data(rows, dim, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, dim, generator=gen)
-    truth = torch.linspace(-1.0, 1.0, dim)
-    y = torch.bernoulli(torch.sigmoid((x * truth).sum(-1)), generator=gen)
-    return x, y
 
 
 def sample(x, y, batch, variant, args):
@@ -67,12 +59,12 @@ def main(argv=None):
     torch.set_num_threads(1)
     run = _provenance.provenance(__file__, argv, settings=vars(args))
     variants = ["minibatches, traced", "minibatches, eager", "no subsampling"]
-    x, y = data(200, args.dim, args.seed)
+    x, y = simulated(200, args.dim, args.seed)
     for variant in variants:  # one-time costs (the tracer's first use)
         sample(x, y, args.batch, variant, argparse.Namespace(**{**vars(args), "warmup": 5}))
     rows = []
     for n in [int(r) for r in args.rows.split(",")]:
-        x, y = data(n, args.dim, args.seed)
+        x, y = simulated(n, args.dim, args.seed)
         results = {v: sample(x, y, args.batch, v, args) for v in variants}
         reference = results["minibatches, eager"].samples["w"]
         for variant, result in results.items():

@@ -31,12 +31,19 @@ def logistic_regression(x, y, subsample_size=None):
         pyro.sample("y", dist.Bernoulli(logits=(x[i] * w).sum(-1)), obs=y[i])
 
 
-def search(rows, dim, batch, subsample, compile, seed):
-    """``{phase: seconds}`` and the source of the Gaussian found."""
+def simulated(rows, dim, seed):
+    """``(x, y)``: ``rows`` standard normal covariates and Bernoulli outcomes of
+    coefficients evenly spaced in [-1, 1]."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, dim, generator=gen)
     truth = torch.linspace(-1.0, 1.0, dim)
     y = torch.bernoulli(torch.sigmoid((x * truth).sum(-1)), generator=gen)
+    return x, y
+
+
+def search(rows, dim, batch, subsample, compile, seed):
+    """``{phase: seconds}`` and the source of the Gaussian found."""
+    x, y = simulated(rows, dim, seed)
     kwargs = {"subsample_size": batch} if subsample else {}
     pyro.set_rng_seed(seed)
     space = LatentSpace.from_model(logistic_regression, (x, y), kwargs, 1)

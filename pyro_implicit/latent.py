@@ -161,16 +161,24 @@ def check_no_subsampled_local_latents(trace, who):
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
             continue
-        for frame in site["cond_indep_stack"]:
-            if frame.full_size is not None and frame.full_size != frame.size:
-                raise UnsupportedModelError(
-                    f"Latent site '{name}' is a local latent inside the subsampled plate "
-                    f"'{frame.name}' (size {frame.full_size}, subsample_size {frame.size}). "
-                    f"{who} packs all latents into one vector and cannot size it (it would "
-                    "silently reuse the subsample_size slots for different data points). "
-                    "Subsample only the likelihood: sample local latents outside the "
-                    "subsampled plate or give that plate no subsample_size."
-                )
+        frame = subsampled_plate_of(site)
+        if frame is not None:
+            raise UnsupportedModelError(
+                f"Latent site '{name}' is a local latent inside the subsampled plate "
+                f"'{frame.name}' (size {frame.full_size}, subsample_size {frame.size}). "
+                f"{who} packs all latents into one vector and cannot size it (it would "
+                "silently reuse the subsample_size slots for different data points). "
+                "Subsample only the likelihood: sample local latents outside the "
+                "subsampled plate or give that plate no subsample_size."
+            )
+
+
+def subsampled_plate_of(site):
+    """The frame of the first subsampled plate a trace site lies in (``None`` if none)."""
+    for frame in site["cond_indep_stack"]:
+        if frame.full_size is not None and frame.full_size != frame.size:
+            return frame
+    return None
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from ..contract import SAMPLE
 from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, kernel_and_derivative, solve_kernel_system, squared_distances
-from ..latent import LatentSpace, preconditioner_of
+from ..latent import LatentSpace, preconditioner_of, subsampled_plate_of
 from .base import (
     RUNAWAY_DRIFT,
     ImplicitELBO,
@@ -1036,13 +1036,13 @@ def _unscaled_log_prob(site):
 
 def _refuse_subsampled_latents(sites):
     for site in sites:
-        for frame in site["cond_indep_stack"]:
-            if frame.full_size is not None and frame.full_size != frame.size:
-                raise UnsupportedPairError(
-                    f"Latent site {site['name']!r} is a local latent inside the subsampled "
-                    f"plate {frame.name!r} (size {frame.full_size}, subsample_size "
-                    f"{frame.size}): KernelRatioELBO estimates the KL of global latents "
-                    "from joint draws and cannot estimate a minibatch of local ones. "
-                    "Sample local latents outside the subsampled plate, or train them with "
-                    "SIVI_ELBO and a SemiImplicitEncoder."
-                )
+        frame = subsampled_plate_of(site)
+        if frame is not None:
+            raise UnsupportedPairError(
+                f"Latent site {site['name']!r} is a local latent inside the subsampled "
+                f"plate {frame.name!r} (size {frame.full_size}, subsample_size "
+                f"{frame.size}): KernelRatioELBO estimates the KL of global latents "
+                "from joint draws and cannot estimate a minibatch of local ones. "
+                "Sample local latents outside the subsampled plate, or train them with "
+                "SIVI_ELBO and a SemiImplicitEncoder."
+            )
