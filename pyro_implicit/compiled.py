@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("fx", "inductor")
 
 
-#: draws x minibatches one replay of a subsampled model's full-data graph holds: at fewer
-#: draws than half this, minibatches are stacked and the graph vmapped over them, since a
+#: draws x minibatches one replay of a subsampled model's full-data graph holds: at half
+#: this many draws or fewer, minibatches are stacked and the graph vmapped over them, since a
 #: replay's cost on small models is its nodes' Python calls, not their arithmetic (the
 #: Boston BNN's six minibatches, a MAP step at one draw: 3.9 ms one after another, 1.2 ms
 #: stacked; at 8 draws 5.3 -> 2.5 ms, at 16 in two stacks of three 6.6 -> 6.5 ms, larger
@@ -679,7 +679,8 @@ class CompiledLogDensity:
                 f"from the data?): {str(e).splitlines()[0]}"
             ) from e
         tol = torch.finfo(expected.dtype).eps ** 0.5
-        if not torch.allclose(value, expected, rtol=tol, atol=tol * (1 + expected.abs().max())):
+        atol = tol * (1 + expected.nan_to_num(0.0, 0.0, 0.0).abs().max())
+        if not torch.allclose(value, expected, rtol=tol, atol=atol, equal_nan=True):
             raise _Uncompilable(
                 "the traced graph gives another log-density than the model on other "
                 "minibatches than the one it was traced on (a number or a shape the model "
