@@ -346,6 +346,14 @@ class _PlateWeights(Messenger):
                 msg["mask"] = mask if msg["mask"] is None else msg["mask"] & mask
 
 
+def _crossed(trace, plates):
+    return any(
+        sum(frame.name in plates for frame in site["cond_indep_stack"]) > 1
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+    )
+
+
 def _is_deterministic(site):
     return bool((site.get("infer") or {}).get("_deterministic", False))
 
@@ -395,6 +403,8 @@ class LatentSpace:
         #: ``{plate: (size, subsample_size)}`` of the subsampled plates (read from a full
         #: model run; see :meth:`from_guide`)
         self.subsample_plates = _subsample_plates(prototype_trace)
+        #: whether a site lies in two subsampled plates (rows x columns of a matrix)
+        self.crossed_subsample_plates = _crossed(prototype_trace, self.subsample_plates)
         for name, site in prototype_trace.iter_stochastic_nodes():
             fn, value = site["fn"], site["value"]
             transform = support_transform(site)
@@ -450,6 +460,7 @@ class LatentSpace:
             guide._unconstrained_shapes,
         )
         space.subsample_plates = _subsample_plates(full)
+        space.crossed_subsample_plates = _crossed(full, space.subsample_plates)
         space.subsampled = space.subsampled or bool(space.subsample_plates)
         # Pyro's message for a site whose log-density has the wrong shape (data of shape
         # (N, 1) in a plate of N), before a search meets it as a broadcast error that
@@ -586,13 +597,15 @@ class LatentSpace:
         return total / len(batches)
 
     def covering_minibatches(self, device=None):
-        """``[(indices, keep)]``: the minibatches a full-data pass runs, every combination
-        of each subsampled plate's consecutive minibatches (the Cartesian product, so that
-        crossed plates meet in every block and independent plates each cover their data),
-        ``indices`` ``{plate: indices}``. A plate whose ``subsample_size`` does not divide
-        its size wraps its last minibatch around to its first rows; ``keep`` ``{plate:
-        bool mask}`` (for those plates only) leaves the wrapped rows out. Empty for a model
-        that does not subsample."""
+        """``[(indices, keep)]``: the minibatches a full-data pass runs, ``indices``
+        ``{plate: indices}`` for every subsampled plate, ``keep`` ``{plate: bool mask}``
+        the rows counted (for the plates that need a mask). Each plate's consecutive
+        minibatches cover its rows once, its last wrapping around to its first rows with
+        those masked. Crossed plates (a site in two of them) run every combination of their
+        minibatches (the Cartesian product, so that they meet in every block); otherwise
+        the plates' minibatches run side by side, a plate with fewer fully masked once its
+        own are done. With :meth:`full_data_factors` the mean over them is the full data.
+        Empty for a model that does not subsample."""
         plates = self.subsample_plates
         if not plates:
             return []
@@ -602,34 +615,59 @@ class LatentSpace:
             positions = [
                 torch.arange(k * batch, (k + 1) * batch, device=device) for k in range(count)
             ]
-            blocks.append(
-                [(pos % size, pos < size if count * batch > size else None) for pos in positions]
-            )
+            blocks.append([(pos % size, pos < size) for pos in positions])
+        if self.crossed_subsample_plates:
+            combinations = list(itertools.product(*blocks))
+        else:
+            longest = max(len(b) for b in blocks)
+            combinations = [
+                tuple(b[k] if k < len(b) else (b[0][0], b[0][1] & False) for b in blocks)
+                for k in range(longest)
+            ]
         names = list(plates)
+        # a plate some minibatch masks carries its mask in every one (one graph for all)
+        masked = {
+            name
+            for c in combinations
+            for name, (_, keep) in zip(names, c, strict=True)
+            if not keep.all()
+        }
         return [
             (
-                {name: indices for name, (indices, _) in zip(names, combination, strict=True)},
-                {
-                    name: keep
-                    for name, (_, keep) in zip(names, combination, strict=True)
-                    if keep is not None
-                },
+                {name: indices for name, (indices, _) in zip(names, c, strict=True)},
+                {name: keep for name, (_, keep) in zip(names, c, strict=True) if name in masked},
             )
-            for combination in itertools.product(*blocks)
+            for c in combinations
         ]
+
+    def full_data_factors(self):
+        """``{plate: factor}``: each subsampled plate's terms in a minibatch of
+        :meth:`covering_minibatches` are scaled by this beyond the model's own
+        ``size / subsample_size``, so that their mean over the covering minibatches counts
+        every row once: ``passes * subsample_size / (size * uses)``, where each row is
+        counted in ``uses`` of the ``passes`` (1 where the minibatches tile the plate)."""
+        plates = self.subsample_plates
+        counts = {name: math.ceil(size / batch) for name, (size, batch) in plates.items()}
+        if self.crossed_subsample_plates:
+            passes = math.prod(counts.values())
+            uses = {name: passes // count for name, count in counts.items()}
+        else:
+            passes = max(counts.values(), default=0)
+            uses = dict.fromkeys(plates, 1)
+        return {
+            name: passes * batch / (size * uses[name]) for name, (size, batch) in plates.items()
+        }
 
     def minibatch_log_density(self, u, args, kwargs, indices, keep=None):
         """The log-density of the rows of ``u`` on the minibatch ``{plate: indices}`` (the
         plates' subsample sites conditioned on them) as one term of a full-data pass over
         :meth:`covering_minibatches`: each subsampled plate's sites scaled as the model's
-        plates scale a minibatch and by the share of its padded passes in its size
-        (``count * subsample_size / size``, 1 where the minibatches tile the plate), the
-        rows ``keep`` (``{plate: bool mask}``) leaves out masked, so that the mean over the
-        covering minibatches is the full-data log-density."""
+        plates scale a minibatch and by :meth:`full_data_factors`, the rows ``keep``
+        (``{plate: bool mask}``) leaves out masked, so that the mean over the covering
+        minibatches is the full-data log-density."""
         model = self.model
         weights = {}
-        for name, (size, batch) in self.subsample_plates.items():
-            factor = math.ceil(size / batch) * batch / size
+        for name, factor in self.full_data_factors().items():
             mask = (keep or {}).get(name)
             if factor != 1.0 or mask is not None:
                 weights[name] = (factor, mask)

@@ -260,10 +260,11 @@ def crossed(y, sizes=(None, None)):
 def test_full_data_of_any_subsampled_layout_is_exact(layout):
     """The full data of a subsampled model, eager and traced (minibatches stacked or one by
     one), is the unsubsampled model's log-density and score: independent plates each
-    cover their data, crossed plates meet in every block, and the rows a wrapped last
-    minibatch repeats are masked (each plate's terms weighted to make up for them)."""
+    cover their data side by side, crossed plates meet in every block, and the rows a
+    wrapped last minibatch repeats are masked (each plate's terms weighted to make up for
+    them)."""
     g = torch.Generator().manual_seed(4)
-    if layout.startswith("one plate"):
+    if layout == "one plate":  # 45 rows in minibatches of 10: the fifth wraps
         x, y = torch.randn(45, 2, generator=g), torch.randn(45, generator=g)
         model, args, mpn, dim = subsampled, (x, y), 1, 3
         sub, full = {"subsample_size": 10}, {}
@@ -277,6 +278,9 @@ def test_full_data_of_any_subsampled_layout_is_exact(layout):
         sub, full = {"sizes": (5 if "wrapped" in layout else 6, 4)}, {}
     exact = LatentSpace.from_model(model, args, full, mpn)
     eager, compiled = eager_and_compiled(model, args, sub, mpn)
+    # independent plates side by side (the longer's count), crossed ones in every pair
+    passes = {"one plate": 5, "two data sets": 6, "crossed": 4, "crossed, wrapped": 6}
+    assert len(eager.covering_minibatches()) == passes.get(layout, 6)
     for num in (1, 8, 64):
         u = 0.3 * torch.randn(num, dim, generator=g)
         expected = exact.score(u, args, full)
