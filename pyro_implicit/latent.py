@@ -435,17 +435,22 @@ class LatentSpace:
         self.dtype, self.device = first.dtype, first.device
 
     @classmethod
-    def from_guide(cls, guide, args=(), kwargs=None, max_plate_nesting=0):
+    def from_guide(cls, guide, args=(), kwargs=None, max_plate_nesting=0, model=None):
         """The space of an ``AutoContinuous`` guide that has been set up, with the model's
         plate nesting and subsampled plates read from one more model run (the guide's
         prototype trace hides the observed sites, their plates and the subsample sites).
 
-        :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's)."""
+        :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's).
+        :param model: the model whose log-density the space scores (default: the guide's):
+            a loss passes the one it was given, which may wrap the guide's (``SVI(
+            poutine.scale(model, s), guide, ...)``) or stand in for one a pickled guide
+            dropped."""
+        model = guide.model if model is None else model
         # the run draws from the prior: leave the caller's random streams as they were
         rng = pyro.util.get_rng_state()
         try:
             with torch.no_grad():
-                full = poutine.block(poutine.trace(guide.model).get_trace)(*args, **(kwargs or {}))
+                full = poutine.block(poutine.trace(model).get_trace)(*args, **(kwargs or {}))
         finally:
             pyro.util.set_rng_state(rng)
         from .elbo.checks import check_observed_finite  # the losses import this module
@@ -454,7 +459,7 @@ class LatentSpace:
         # names neither the count nor the fix
         check_observed_finite(full)
         space = cls(
-            guide.model,
+            model,
             guide.prototype_trace,
             max(getattr(guide, "_max_plate_nesting", 0), max_plate_nesting, plate_nesting(full)),
             guide._unconstrained_shapes,

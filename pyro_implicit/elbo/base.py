@@ -329,7 +329,7 @@ class ImplicitELBO(ELBO):
     #: beyond any posterior in sensible units; ``None`` disables the check)
     max_abs_draw = 1e12
 
-    def _direct_space(self, guide, guide_type, args, kwargs):
+    def _direct_space(self, model, guide, guide_type, args, kwargs):
         """After a traced step (:attr:`_last_traces`): the compiled log-density
         (:meth:`~pyro_implicit.latent.LatentSpace.compile` with backend :attr:`compile`)
         that may score the next steps' draws of ``guide`` drawn directly, or ``None`` where
@@ -346,7 +346,7 @@ class ImplicitELBO(ELBO):
             or any(site["type"] == "param" for site in model_trace.nodes.values())
         ):
             return None
-        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
+        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1, model)
         return space.compile(self.compile)
 
     def _compiled_score(self, space, u, args, kwargs):

@@ -162,7 +162,7 @@ class _FunctionalGradientELBO(ImplicitELBO):
         if self.compile and not model_params and (id(model), id(guide)) not in self._spaces:
             # checked and validated once by the step above: later steps may use the graph,
             # and draw the guide directly when it is the whole guide, unscaled
-            space = LatentSpace.from_guide(guide_obj, args, kwargs, mpn - 1)
+            space = LatentSpace.from_guide(guide_obj, args, kwargs, mpn - 1, model)
             self._spaces[(id(model), id(guide))] = space.compile(self.compile)
             self._direct[(id(model), id(guide))] = guide_obj is guide and scale == 1.0
         return -log_target.detach().mean(), surrogate

@@ -156,7 +156,13 @@ class KernelRatioELBO(ImplicitELBO):
     prior is linked (a site's prior depends on another's value, as in a hierarchical model;
     read once with :func:`pyro.infer.inspect.get_dependencies`) are merged, since a sum of
     marginal KLs is not the joint KL there. The estimate is multiplied by the latent sites'
-    ``poutine.scale`` (e.g. KL annealing), as ``Trace_ELBO`` scales their densities.
+    ``poutine.scale`` (e.g. KL annealing): the whole KL, q's entropy included (a beta-VAE's
+    weight). That is not Pyro's meaning, where a model-side scale weights only the prior's
+    log-density (``Trace_ELBO``, and this library's ``SIVI_ELBO``, ``LIVI_ELBO``,
+    ``GPVI_ELBO`` and ``AmortizedSVGD_ELBO``): with ``poutine.scale(scale=0.1)`` around a
+    prior, or the whole model scaled by 0.25, q here comes out about 0.35x and 0.5x as wide
+    as those losses' (``benchmarks/results/audit_probes_s58.md``, section 3). Sites with an
+    exact density (``exact_sites``) follow Pyro's meaning.
     Parameters inside the prior (``pyro.param`` in a latent's distribution) get the exact
     gradient :math:`\mathbb E_q[\nabla_\theta \log p_\theta(z)]`; the kernel estimate
     alone, built from prior draws, would leave them unchanged.
@@ -608,6 +614,7 @@ class KernelRatioELBO(ImplicitELBO):
         key = (id(model), id(guide))
         if self.compile and key not in self._fast_plans:
             self._fast_plans[key] = self._fast_plan(
+                model,
                 model_trace,
                 guide_trace,
                 guide,
@@ -672,7 +679,18 @@ class KernelRatioELBO(ImplicitELBO):
         )
 
     def _fast_plan(
-        self, model_trace, guide_trace, guide, args, kwargs, latents, names, exact_sites, groups, ac
+        self,
+        model,
+        model_trace,
+        guide_trace,
+        guide,
+        args,
+        kwargs,
+        latents,
+        names,
+        exact_sites,
+        groups,
+        ac,
     ):
         """What the traced path of the next steps needs, read once from a full step; ``None``
         where a step needs Pyro's traces: an ``AutoGuideList`` or several implicit guides,
@@ -692,7 +710,7 @@ class KernelRatioELBO(ImplicitELBO):
             or any(site["type"] == "param" for site in model_trace.nodes.values())
         ):
             return None
-        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1)
+        space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1, model)
         return space.compile(self.compile), ac, groups[0]
 
     def _fast_loss_and_surrogate(self, plan, guide, args, kwargs):

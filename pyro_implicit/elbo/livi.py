@@ -486,7 +486,7 @@ class LIVI_ELBO(ImplicitELBO):
                 return out
         out = self._traced_loss_and_surrogate(model, guide, args, kwargs)
         if self.compile and self.prior_weight == 1 and key not in self._fast_spaces:
-            self._fast_spaces[key] = self._direct_space(guide, LinearizedGuide, args, kwargs)
+            self._fast_spaces[key] = self._direct_space(model, guide, LinearizedGuide, args, kwargs)
         return out
 
     def _fast_loss_and_surrogate(self, space, guide, args, kwargs):

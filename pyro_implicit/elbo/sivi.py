@@ -316,7 +316,9 @@ class SIVI_ELBO(ImplicitELBO):
         if terms is None:
             terms = self._particle_terms(model, guide, args, kwargs, num_mixing)
             if self.compile and key not in self._fast_spaces:
-                self._fast_spaces[key] = self._direct_space(guide, SemiImplicitGuide, args, kwargs)
+                self._fast_spaces[key] = self._direct_space(
+                    model, guide, SemiImplicitGuide, args, kwargs
+                )
         elbo = terms.mean()
         self.diagnostics = {"num_mixing": num_mixing, "elbo": elbo.item()}
         # the estimate is differentiable as it stands: value and surrogate coincide
