@@ -837,13 +837,15 @@ class Preconditioner(nn.Module):
             u = self.loc + z @ self.scale_tril.T
             # the guides whiten their own draws again to score them (a triangular solve
             # forward and back, a quarter of a BNN step): remember which z made this u
-            self._last_unwhitened = (
-                weakref.ref(u),
-                u._version,
-                z,
-                z._version,
-                self._state_versions(),
-            )
+            # (not under torch.inference_mode, whose tensors have no version to check)
+            if not (u.is_inference() or z.is_inference()):
+                self._last_unwhitened = (
+                    weakref.ref(u),
+                    u._version,
+                    z,
+                    z._version,
+                    self._state_versions(),
+                )
             return u
         return self.loc + z * self.scale
 

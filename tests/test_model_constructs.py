@@ -327,3 +327,31 @@ def test_a_guide_restored_by_torch_load_trains_on(tmp_path):
     svi = SVI(normal_mean, restored, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
     for _ in range(3):
         assert math.isfinite(svi.step(y))
+
+
+@pytest.mark.parametrize("cls", [ImplicitGuide, SemiImplicitGuide, LinearizedGuide])
+def test_a_guide_draws_and_is_built_under_inference_mode(cls):
+    """``torch.inference_mode`` around drawing (``sample_posterior``, ``Predictive``,
+    ``median``) works, as under ``torch.no_grad`` (the dense preconditioner's draw cache
+    read the version counter inference tensors lack), and a guide first called there is
+    built with ordinary parameters that a loss then trains (its search needs autograd)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y = 1.5 + torch.randn(20, generator=torch.Generator().manual_seed(0))
+    guide = cls(normal_mean)
+    with torch.inference_mode():
+        Predictive(normal_mean, guide=guide, num_samples=5)(y)  # builds the guide
+    svi = SVI(normal_mean, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
+    if cls is SemiImplicitGuide:
+        svi = SVI(normal_mean, guide, pyro.optim.Adam({"lr": 1e-2}), SIVI_ELBO())
+    elif cls is LinearizedGuide:
+        svi = SVI(normal_mean, guide, pyro.optim.Adam({"lr": 1e-2}), LIVI_ELBO())
+    before = [p.detach().clone() for p in guide.parameters()]
+    for _ in range(3):
+        svi.step(y)
+    assert any(not torch.equal(a, p) for a, p in zip(before, guide.parameters(), strict=True))
+    with torch.inference_mode():
+        draws = guide.sample_posterior(10)["mu"]
+        predictive = Predictive(normal_mean, guide=guide, num_samples=5)(y)
+        guide.median(y)
+    assert draws.shape == (10,) and predictive["mu"].shape[0] == 5

@@ -508,7 +508,13 @@ class ImplicitAutoGuide(AutoContinuous):
         pyro.get_param_store()[self._store_name("layer_code")] = self.layer_code.detach().clone()
 
     def forward(self, *args, **kwargs):
-        if self.prototype_trace is not None:
+        if self.prototype_trace is None:
+            # the first call builds the guide: its search and its parameters need autograd
+            # and ordinary tensors whatever mode the caller draws under (torch.no_grad,
+            # torch.inference_mode, whose tensors no optimiser could train later)
+            with torch.inference_mode(False), torch.enable_grad():
+                self._setup_prototype(*args, **kwargs)
+        else:
             self._take_loss_request(args, kwargs)
             # a store loaded into a live guide replaces the tensors: read them, as a
             # PyroParam does on every access, with the preconditioner and layers saved
