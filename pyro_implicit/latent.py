@@ -55,7 +55,7 @@ from pyro.util import check_site_shape
 from torch import nn
 from torch.distributions import biject_to
 
-from .errors import ModelError
+from .errors import ModelError, UnsupportedModelError
 from .progress import refresh_intervals
 
 __all__ = [
@@ -156,8 +156,6 @@ def check_no_subsampled_local_latents(trace, who):
     :param str who: the method named in the message.
     :raises UnsupportedModelError: naming the site, its plate and the rewrite.
     """
-    from .errors import UnsupportedModelError
-
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
             continue
@@ -585,9 +583,9 @@ class LatentSpace:
         scaling); ``pyro.deterministic`` sites do not.
 
         A model that subsamples a plate is evaluated on the full data, exactly: the mean
-        of its minibatch terms over :meth:`covering_minibatches` (every combination of
-        the subsampled plates' minibatches, wrapped rows masked and each plate's terms
-        weighted, :meth:`minibatch_log_density`), so the result is a deterministic
+        of its minibatch terms over :meth:`covering_minibatches` (crossed plates' minibatches
+        in every combination, independent ones side by side, wrapped rows masked and each
+        plate's terms weighted, :meth:`minibatch_log_density`), so the result is a deterministic
         function of ``u``, as a MAP search, a Hessian and NUTS need; with
         ``full_data=False`` it is one minibatch estimate (as a stochastic method uses)."""
         return self._eager_log_density(u, args, kwargs, full_data)
@@ -626,7 +624,7 @@ class LatentSpace:
         else:
             longest = max(len(b) for b in blocks)
             combinations = [
-                tuple(b[k] if k < len(b) else (b[0][0], b[0][1] & False) for b in blocks)
+                tuple(b[k] if k < len(b) else (b[0][0], torch.zeros_like(b[0][1])) for b in blocks)
                 for k in range(longest)
             ]
         names = list(plates)
