@@ -104,7 +104,7 @@ def test_smallest_singular_value(d, out_dim, explicit):
         assert torch.allclose(g, w, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("activation", ["relu", "tanh", "elu", "softplus"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "tanh", "elu", "softplus"])
 @pytest.mark.parametrize("hidden", [(), (7,), (9, 5)])
 def test_explicit_mlp_jacobian_matches_autograd(activation, hidden):
     d, out_dim = 4, 6

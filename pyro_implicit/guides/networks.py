@@ -27,12 +27,24 @@ __all__ = [
     "ScaledLinear",
 ]
 
-_ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "elu": nn.ELU, "softplus": nn.Softplus}
+#: the negative slope of ``"leaky_relu"``: a unit switched off for every draw still passes
+#: a gradient, which Adam's per-parameter scaling turns into full-size steps, so it can
+#: come back (a plain ReLU unit cannot)
+LEAKY_SLOPE = 0.01
+
+_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "leaky_relu": lambda: nn.LeakyReLU(LEAKY_SLOPE),
+    "tanh": nn.Tanh,
+    "elu": nn.ELU,
+    "softplus": nn.Softplus,
+}
 
 #: derivative of each activation from its input ``pre`` and output ``out`` (ELU with
 #: alpha = 1 and Softplus with beta = 1, PyTorch's defaults, as :func:`_activation` builds)
 _DERIVATIVES = {
     "relu": lambda pre, out: (pre > 0).to(pre.dtype),
+    "leaky_relu": lambda pre, out: torch.where(pre > 0, 1.0, LEAKY_SLOPE).to(pre.dtype),
     "tanh": lambda pre, out: 1 - out.pow(2),
     "elu": lambda pre, out: torch.where(pre > 0, torch.ones_like(out), out + 1),
     "softplus": lambda pre, out: torch.sigmoid(pre),
