@@ -328,14 +328,30 @@ def test_exact_term_is_scaled_once_like_trace_elbo():
     assert elbo.loss(model, guide) == pytest.approx(exact, abs=0.02)
 
 
-def test_adaptive_contrast_is_scaled_once():
-    # with no observations the loss is beta * KL(q || p); a Gaussian q makes the kernel
-    # part (q against its own Gaussian fit) about zero
+def _scaled_guide(guide, beta):
+    return pyro.poutine.scale(guide, scale=beta) if beta != 1.0 else guide
+
+
+def _pyro_loss(m, s, prior_scale, guide_scale):
+    # Trace_ELBO's -ELBO of q = N(m, s^2) against log N(z; 0, 1), each side's density
+    # weighted by its own poutine.scale: guide_scale * -H(q) + prior_scale * E_q[-log p]
+    entropy = 0.5 * math.log(2 * math.pi * math.e * s**2)
+    cross_entropy = 0.5 * (math.log(2 * math.pi) + m**2 + s**2)
+    return -guide_scale * entropy + prior_scale * cross_entropy
+
+
+@pytest.mark.parametrize("guide_scale", [1.0, 0.5])
+def test_adaptive_contrast_is_scaled_as_trace_elbo(guide_scale):
+    # the model's scale weights the prior, the guide's q's entropy (Pyro's meaning): the
+    # prior alone scaled tempers it, both scaled alike is KL annealing (beta * KL); a
+    # Gaussian q makes the kernel part (q against its own Gaussian fit) about zero. With
+    # the model's scale on the whole KL (before) the first case gave beta * KL: 0.43
+    # against Trace_ELBO's 0.05 at beta = 0.5.
     m, s = 1.0, 0.5
-    kl = gaussian_kl_to_standard(torch.tensor([m]), torch.tensor([s]))
     for beta in (0.5, 1.0):
         model = _scaled_prior_model(beta)
         guide = _autonormal_at(model, m, s)
+        scale = beta if guide_scale != 1.0 else 1.0
         elbo = KernelRatioELBO(
             num_particles=2000,
             adaptive_contrast="diag",
@@ -343,8 +359,32 @@ def test_adaptive_contrast_is_scaled_once():
             max_plate_nesting=0,
             exact_sites=(),
         )
-        losses = [elbo.loss(model, guide) for _ in range(3)]
-        assert sum(losses) / 3 == pytest.approx(beta * kl, abs=0.05)
+        losses = [elbo.loss(model, _scaled_guide(guide, scale)) for _ in range(3)]
+        expected = _pyro_loss(m, s, beta, scale)
+        assert sum(losses) / 3 == pytest.approx(expected, abs=0.05)
+
+
+@pytest.mark.parametrize("guide_scale", ["one", "beta"])
+def test_prior_contrast_is_scaled_as_trace_elbo(guide_scale):
+    # the prior as contrast: the kernel estimates the whole KL, so a prior scaled apart
+    # from the guide gets the difference exactly. The gradient in q's log-scale of the
+    # loss above is -guide_scale + beta s^2: -0.875 with the prior alone scaled by 0.5
+    # (the whole KL scaled gave -0.375), -0.375 with both.
+    beta, m, s = 0.5, 1.0, 0.5
+    model = _scaled_prior_model(beta)
+    guide = _autonormal_at(model, m, s)
+    scale = beta if guide_scale == "beta" else 1.0
+    elbo = KernelRatioELBO(
+        num_particles=1000, adaptive_contrast=False, max_plate_nesting=0, exact_sites=()
+    )
+    log_scale = pyro.param("AutoNormal.scales.z").unconstrained()
+    grads = [
+        torch.autograd.grad(
+            elbo.differentiable_loss(model, _scaled_guide(guide, scale)), log_scale
+        )[0]
+        for _ in range(5)
+    ]
+    assert float(sum(grads)) / 5 == pytest.approx(-scale + beta * s**2, abs=0.1)
 
 
 def test_exact_sites_accept_a_pyro_autoguide():

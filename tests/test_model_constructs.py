@@ -282,6 +282,8 @@ def normal_mean(y):
 
 
 TEMPERED = {
+    "kivi": (ImplicitGuide, KernelRatioELBO),
+    "stein": (ImplicitGuide, SteinScoreELBO),
     "sivi": (SemiImplicitGuide, SIVI_ELBO),
     "livi": (LinearizedGuide, LIVI_ELBO),
     "gpvi": (lambda m: ImplicitGuide(m, generator=gpvi_generator()), GPVI_ELBO),

@@ -155,14 +155,13 @@ class KernelRatioELBO(ImplicitELBO):
     (``ImplicitGuide(per_site=True)`` on a BNN: KIVI's layer-wise estimate). Groups whose
     prior is linked (a site's prior depends on another's value, as in a hierarchical model;
     read once with :func:`pyro.infer.inspect.get_dependencies`) are merged, since a sum of
-    marginal KLs is not the joint KL there. The estimate is multiplied by the latent sites'
-    ``poutine.scale`` (e.g. KL annealing): the whole KL, q's entropy included (a beta-VAE's
-    weight). That is not Pyro's meaning, where a model-side scale weights only the prior's
-    log-density (``Trace_ELBO``, and this library's ``SIVI_ELBO``, ``LIVI_ELBO``,
-    ``GPVI_ELBO`` and ``AmortizedSVGD_ELBO``): with ``poutine.scale(scale=0.1)`` around a
-    prior, or the whole model scaled by 0.25, q here comes out about 0.35x and 0.5x as wide
-    as those losses' (``benchmarks/results/audit_probes_s58.md``, section 3). Sites with an
-    exact density (``exact_sites``) follow Pyro's meaning.
+    marginal KLs is not the joint KL there. A ``poutine.scale`` weights the densities as
+    ``Trace_ELBO`` does: the model's scale of a latent site multiplies the prior's
+    log-density, the guide's scale multiplies :math:`\log q` (the entropy estimate and the
+    constraint Jacobian). So ``poutine.scale(model, s)`` tempers the posterior, and KL
+    annealing scales the site in both model and guide (:math:`\beta\,\mathrm{KL}`). With
+    the prior as contrast the kernel estimates the whole KL at the guide's weight, and the
+    prior's remaining weight enters through its exact log-density at q's draws.
     Parameters inside the prior (``pyro.param`` in a latent's distribution) get the exact
     gradient :math:`\mathbb E_q[\nabla_\theta \log p_\theta(z)]`; the kernel estimate
     alone, built from prior draws, would leave them unchanged.
@@ -591,22 +590,33 @@ class KernelRatioELBO(ImplicitELBO):
         else:
             groups = self._groups(guide, names, links) if names else []
         for group in groups:
-            scale = _common_scale([latents[name] for name in group])
+            # Pyro's meaning (Trace_ELBO's): the model's scale weights the prior's
+            # log-density, the guide's weights log q, the constraint Jacobians included
+            prior_scale = _common_scale([latents[name] for name in group])
+            guide_scale = _common_scale([guide_trace.nodes[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
             if ac:
-                # unscaled: the group's scale multiplies the whole term once, below
-                log_p = sum(
-                    particle_sum(_unscaled_log_prob(latents[name]), n, mpn) + log_jac[name]
-                    for name in group
+                log_prior = sum(
+                    particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
                 )
+                log_jacobian = sum(log_jac[name] for name in group)
                 contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, q)
-                group_term = log_p.mean() + contrast_term
+                group_term = prior_scale * log_prior.mean() + guide_scale * (
+                    log_jacobian.mean() + contrast_term
+                )
             else:
                 p = torch.cat([p_parts[name] for name in group], dim=-1).to(q.dtype)
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
                 del info["log_ratio_gradient"]  # diagnostics hold numbers
-                group_term = -kl
-            latent_term = latent_term + scale * group_term
+                group_term = -guide_scale * kl
+                if prior_scale != guide_scale:
+                    # -KL is E_q[log p] + H[q]: the kernel estimate carries the prior at the
+                    # guide's weight, the rest of the prior's weight enters exactly
+                    log_prior = sum(
+                        particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
+                    )
+                    group_term = group_term + (prior_scale - guide_scale) * log_prior.mean()
+            latent_term = latent_term + group_term
             info["kl"] = kl.item()
             self.diagnostics["+".join(group)] = info
 
@@ -707,6 +717,7 @@ class KernelRatioELBO(ImplicitELBO):
             or implicit_site_info(sites[0])["guide"] is not guide
             or list(guide._unconstrained_shapes) != groups[0]
             or _common_scale([latents[name] for name in names]) != 1.0
+            or _common_scale([guide_trace.nodes[name] for name in names]) != 1.0
             or any(site["type"] == "param" for site in model_trace.nodes.values())
         ):
             return None

@@ -206,8 +206,8 @@ class SteinScoreELBO(KernelRatioELBO):
 
     where the model's log-joint (likelihood, prior and constraint Jacobians) enters exactly
     and only the entropy is estimated. Sites drawn by guides with a density, groups of
-    sites, parameters in the prior and ``poutine.scale`` (the whole KL scaled, not Pyro's
-    prior-only weight) are handled as in
+    sites, parameters in the prior and ``poutine.scale`` (the model's scale weighting the
+    prior, the guide's q, as in ``Trace_ELBO``) are handled as in
     :class:`~pyro_implicit.elbo.KernelRatioELBO` (``exact_sites``, ``per_group``), whose
     machinery this loss shares; only the entropy estimate differs, and it needs no prior
     draws and no preconditioner (the Gaussian part is affine invariant and the kernel acts
