@@ -297,3 +297,29 @@ def test_float32_draws_on_fewer_dimensions_still_give_a_gaussian():
         assert torch.isfinite(gauss.log_prob(q)).all()
     constant = torch.ones(100, 40)  # no spread at all: no factor exists, the diagonal
     assert torch.isfinite(_fit_contrast(constant, "moments").log_prob(constant)).all()
+
+
+def _normal_mean(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+    with pyro.plate("data", y.shape[0]):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_a_leaky_generator_follows_new_data_after_converging():
+    """Fitted on 20 points and trained on 35: with ``activation="leaky_relu"`` the width
+    follows the new posterior (ReLU units, all switched off after the first fit, kept the
+    old width: sd ratio 1.32 after 500 steps, ``audit_probes_s58.md`` section 4)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y = 1.5 + torch.randn(20, generator=torch.Generator().manual_seed(0))
+    more = torch.cat([y, y + 0.5])[:35]
+    guide = ImplicitGuide(_normal_mean, activation="leaky_relu")
+    svi = SVI(_normal_mean, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
+    for _ in range(300):
+        svi.step(y)
+    for _ in range(500):
+        svi.step(more)
+    precision = 1 / 4 + 35
+    draws = guide.sample_posterior(4000)["mu"]
+    assert abs(draws.mean() - more.sum() / precision) < 0.2 * precision**-0.5
+    assert 0.85 < draws.std() * precision**0.5 < 1.15
