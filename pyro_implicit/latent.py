@@ -179,6 +179,84 @@ def subsampled_plate_of(site):
     return None
 
 
+def _constraint_tensors(constraint):
+    """The tensors a constraint holds (an interval's bounds, those of the constraints it
+    wraps or stacks)."""
+    found, stack = [], [constraint]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.distributions.constraints.Constraint):
+            stack.extend(vars(item).values())
+    return found
+
+
+def check_fixed_supports(model, trace, args=(), kwargs=None, who="pyro_implicit"):
+    """Raise where a latent site's support moves with another latent's value
+    (``x ~ Uniform(0, theta)``).
+
+    A packed space maps each site to real space through one ``biject_to`` read from one
+    run of the model, as Pyro's ``AutoContinuous`` guides and NUTS do, so draws of such a
+    site would leave its support whenever the other latent moves: Pyro then fails with a
+    support error at the site, or a vectorised check blames the particle plate. The model
+    is run once more with the latents of ``trace`` as inputs that require grad, and each
+    support's bounds are differentiated with respect to them (a bound that moves with a
+    ``pyro.param`` alone is not refused).
+
+    :raises UnsupportedModelError: naming the site, its support, the latents it moves
+        with, and the rewrite on a fixed support.
+    """
+    latents = {
+        name: site["value"]
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not site_is_subsample(site)
+        and torch.is_tensor(site["value"])
+        and site["value"].is_floating_point()
+    }
+    if len(latents) < 2:
+        return
+    inputs = {name: value.detach().requires_grad_() for name, value in latents.items()}
+    rng = pyro.util.get_rng_state()
+    try:
+        with torch.enable_grad(), poutine.block():
+            rerun = poutine.trace(poutine.condition(model, data=inputs)).get_trace(
+                *args, **(kwargs or {})
+            )
+    except Exception:  # noqa: BLE001 (the model's own errors surface in the fit's runs)
+        return
+    finally:
+        pyro.util.set_rng_state(rng)
+    for name in latents:
+        site = rerun.nodes.get(name)
+        if site is None or site["type"] != "sample":
+            continue
+        moving = set()
+        for bound in _constraint_tensors(site["fn"].support):
+            if not bound.requires_grad:
+                continue
+            others = [other for other in inputs if other != name]
+            grads = torch.autograd.grad(
+                bound.sum(), [inputs[o] for o in others], allow_unused=True, retain_graph=True
+            )
+            moving.update(o for o, g in zip(others, grads, strict=True) if g is not None)
+        if moving:
+            parents = ", ".join(repr(o) for o in sorted(moving))
+            raise UnsupportedModelError(
+                f"{who}: latent site {name!r} has support {site['fn'].support}, which moves "
+                f"with the latent site(s) {parents}. Every site is mapped to real space "
+                "through one fixed transform (as in Pyro's autoguides and NUTS), so its "
+                "draws would leave that support. Draw it on a fixed support and transform "
+                f"it in the model: for Uniform(low, high), `{name}_unit = pyro.sample("
+                f"'{name}_unit', dist.Uniform(0., 1.))` and `{name} = pyro.deterministic("
+                f"'{name}', low + (high - low) * {name}_unit)`."
+            )
+
+
 @contextlib.contextmanager
 def prototype_errors_named(autoguide, who):
     """Around an ``AutoContinuous`` prototype's set-up: Pyro's error for a discrete

@@ -21,6 +21,7 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
 from ..errors import ModelError
 from ..latent import (
+    check_fixed_supports,
     check_no_subsampled_local_latents,
     check_trace_continuous,
     complete_obs_mask,
@@ -107,7 +108,8 @@ class NUTSResult:
 def _full_data_space(model, args, kwargs, max_plate_nesting):
     """The model's :class:`~pyro_implicit.latent.LatentSpace` when it subsamples a plate
     (NUTS then samples its full-data posterior through a potential function), else
-    ``None``."""
+    ``None``. Refuses a support that moves with another latent (:func:`~pyro_implicit.
+    latent.check_fixed_supports`)."""
     from ..latent import LatentSpace, _is_subsampled, plate_nesting
 
     rng = pyro.util.get_rng_state()
@@ -116,6 +118,8 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
             trace = poutine.trace(model).get_trace(*args, **kwargs)
     finally:
         pyro.util.set_rng_state(rng)
+    # Pyro's NUTS maps each site through one transform too
+    check_fixed_supports(model, trace, args, kwargs, "NUTS")
     if not _is_subsampled(trace):
         return None
     check_no_subsampled_local_latents(trace, "NUTS on the full data")
