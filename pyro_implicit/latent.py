@@ -1435,10 +1435,12 @@ def find_preconditioner(
     rng = pyro.util.get_rng_state()
     progress = None
     try:
-        # a model that fails at its own starting point (NaN data, a shape error) is the
-        # user's to fix: its error propagates here instead of becoming a fallback
+        # a model that fails at its own starting point (NaN data, a shape error), or at
+        # two draws at once (Python control flow on a latent, nn.Linear on sampled
+        # weights), is the user's to fix: its error propagates here instead of becoming
+        # a fallback (the search's batches met it as a failed fit, and a warning)
         with torch.no_grad():
-            space.log_density(init_loc[None], args, kwargs)
+            space.log_density(init_loc.expand(2, -1), args, kwargs)
         problem = None
         u_map = None
         score, progress = _with_progress(_scorer(space, args, kwargs, compile))

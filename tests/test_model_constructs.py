@@ -26,6 +26,7 @@ from pyro_implicit import (
     SemiImplicitGuide,
     SteinScoreELBO,
     UnsupportedModelError,
+    VectorizationError,
     WeightSpaceSVGD,
 )
 from pyro_implicit.diagnostics import run_nuts
@@ -187,6 +188,20 @@ def test_the_rewrite_on_a_fixed_support_fits_the_exact_posterior():
         sd = (weights * (grid - mean) ** 2).sum().sqrt()
         assert abs(draws[name].mean() - mean) < 0.2 * sd
         assert 0.85 < draws[name].std() / sd < 1.15
+
+
+def _branching(y):
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    w = pyro.sample("w", dist.Normal(z, 1.0)) if z > 0 else z
+    pyro.sample("obs", dist.Normal(w, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("what", ["implicit", "semi", "linearized", "wsvgd", "stein"])
+def test_python_control_flow_on_a_latent_is_a_vectorization_error(what):
+    """An ``if`` on a latent fails at a batch of draws: named as such before the search
+    runs (its batches met it as failed fits and warned with Pyro's trace dump first)."""
+    with pytest.raises(VectorizationError, match="Boolean value of Tensor"):
+        _first_step(what, _branching, torch.tensor(0.5))
 
 
 def test_a_sequential_plate_is_an_unsupported_model():

@@ -416,7 +416,8 @@ class ImplicitAutoGuide(AutoContinuous):
                         "every loss of this library evaluates too. Write it so that latent "
                         "values may carry extra leading batch dims: e.g. `(x * beta).sum(-1)` "
                         "instead of `beta @ x.T` or `torch.dot`, no `nn.Linear` on sampled "
-                        "weights, `.sum(-1)` instead of `.sum()`, no `.squeeze()`; or build "
+                        "weights, `.sum(-1)` instead of `.sum()`, no `.squeeze()`, "
+                        "`torch.where` instead of a Python `if` on a latent; or build "
                         "BNNs with pyro_implicit.bnn"
                     ) from e
         return found.diagonal() if dense is False else found
