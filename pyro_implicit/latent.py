@@ -179,6 +179,29 @@ def subsampled_plate_of(site):
     return None
 
 
+def check_no_point_mass_latents(trace, who="pyro_implicit"):
+    """Raise where a latent sample site is a point mass (``dist.Delta``, wrapped or not):
+    it has no density that a guide or a sampler can approximate, and its log-density is
+    -inf at every draw but one, which the fits met as a divergence.
+
+    :raises ModelError: naming the site and ``pyro.deterministic``, the way to record a
+        computed value.
+    """
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            continue
+        fn = site["fn"]
+        while not isinstance(fn, pyro.distributions.Delta) and hasattr(fn, "base_dist"):
+            fn = fn.base_dist
+        if isinstance(fn, pyro.distributions.Delta):
+            raise ModelError(
+                f"{who}: latent site {name!r} is a point mass (Delta): it has no density to "
+                "approximate, so every draw but one has log-density -inf. Record a value "
+                f"computed from other latents with `pyro.deterministic({name!r}, value)`, "
+                "or observe it (obs=)."
+            )
+
+
 def _constraint_tensors(constraint):
     """The tensors a constraint holds (an interval's bounds, those of the constraints it
     wraps or stacks)."""

@@ -191,6 +191,24 @@ def test_the_rewrite_on_a_fixed_support_fits_the_exact_posterior():
         assert 0.85 < draws[name].std() / sd < 1.15
 
 
+def _point_mass(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    pyro.sample("twice", dist.Delta(2 * mu))  # a recorded value, as pyro.deterministic does
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("what", ["implicit", "semi", "linearized", "wsvgd", "stein", "nuts"])
+def test_a_point_mass_latent_is_refused_with_the_fix(what):
+    """A ``Delta`` latent has no density: the fits met its -inf log-density as a
+    divergence and advised a lower learning rate."""
+    with pytest.raises(ModelError, match="'twice' is a point mass.*pyro.deterministic"):
+        if what == "nuts":
+            run_nuts(_point_mass, Y, num_samples=5, warmup_steps=5)
+        else:
+            _first_step(what, _point_mass, Y)
+
+
 def _branching(y):
     z = pyro.sample("z", dist.Normal(0.0, 1.0))
     w = pyro.sample("w", dist.Normal(z, 1.0)) if z > 0 else z

@@ -22,6 +22,7 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from ..errors import ModelError
 from ..latent import (
     check_fixed_supports,
+    check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_trace_continuous,
     complete_obs_mask,
@@ -119,6 +120,7 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
     finally:
         pyro.util.set_rng_state(rng)
     # Pyro's NUTS maps each site through one transform too
+    check_no_point_mass_latents(trace, "NUTS")
     check_fixed_supports(model, trace, args, kwargs, "NUTS")
     if not _is_subsampled(trace):
         return None

@@ -38,6 +38,7 @@ from ..latent import (
     LatentSpace,
     Preconditioner,
     check_fixed_supports,
+    check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_precondition,
     prototype_errors_named,
@@ -225,6 +226,7 @@ class ImplicitAutoGuide(AutoContinuous):
                         f"`for i in pyro.plate(...)`."
                     )
         check_no_subsampled_local_latents(self.prototype_trace, type(self).__name__)
+        check_no_point_mass_latents(self.prototype_trace, type(self).__name__)
         check_fixed_supports(self.model, self.prototype_trace, args, kwargs, type(self).__name__)
         self._max_plate_nesting = max(
             [-f.dim for fs in self._cond_indep_stacks.values() for f in fs] + [0]

@@ -66,6 +66,7 @@ from ..latent import (
     LatentSpace,
     Preconditioner,
     check_fixed_supports,
+    check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_trace_shapes,
     complete_obs_mask,
@@ -489,6 +490,7 @@ class ParticleInference:
         with torch.no_grad(), prototype_errors_named(proto, type(self).__name__):
             proto._setup_prototype(*args, **kwargs)
         check_no_subsampled_local_latents(proto.prototype_trace, type(self).__name__)
+        check_no_point_mass_latents(proto.prototype_trace, type(self).__name__)
         check_fixed_supports(self.model, proto.prototype_trace, args, kwargs, type(self).__name__)
         self.space = LatentSpace.from_guide(
             proto, args, kwargs, max_plate_nesting=self.max_plate_nesting
