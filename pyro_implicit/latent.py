@@ -179,6 +179,53 @@ def subsampled_plate_of(site):
     return None
 
 
+def _improper_site(error):
+    """The Pyro site whose ``ImproperUniform`` raised ``error`` (or one it was raised from):
+    the deepest frame of its traceback that holds the site's message, whatever handlers
+    (an autoguide's ``InitMessenger``) wrapped the model; ``None`` if there is none."""
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            for key in ("msg", "site"):
+                site = tb.tb_frame.f_locals.get(key)
+                if isinstance(site, dict) and "name" in site and "fn" in site:
+                    fn = site["fn"]
+                    while not isinstance(fn, pyro.distributions.ImproperUniform) and hasattr(
+                        fn, "base_dist"
+                    ):
+                        fn = fn.base_dist
+                    if isinstance(fn, pyro.distributions.ImproperUniform):
+                        found = site
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return found
+
+
+@contextlib.contextmanager
+def improper_priors_named(who):
+    """Around the first runs of a model: torch's "does not support sampling" of an
+    improper prior (``ImproperUniform``) becomes a :class:`~pyro_implicit.errors.
+    ModelError` that names the site and a proper prior to use. Every method here draws
+    from the prior (its starting points, the vectorisation check, KIVI's prior
+    contrast), as Pyro's ``init_to_median`` and ``init_to_feasible`` do."""
+    try:
+        yield
+    except NotImplementedError as e:
+        site = _improper_site(e) if "does not support sampling" in str(e) else None
+        if site is None:
+            raise
+        raise ModelError(
+            f"{who}: latent site {site['name']!r} has an improper prior (ImproperUniform "
+            f"on {site['fn'].support}), which cannot be drawn from, and this library "
+            "draws from the prior (starting points, the vectorisation check, KIVI's prior "
+            "contrast). Give it a proper prior that is flat at the data's scale, e.g. "
+            "dist.Normal(0., 100.) for a real site or dist.HalfNormal(100.) for a positive "
+            "one."
+        ) from e
+
+
 def check_no_point_mass_latents(trace, who="pyro_implicit"):
     """Raise where a latent sample site is a point mass (``dist.Delta``, wrapped or not):
     it has no density that a guide or a sampler can approximate, and its log-density is

@@ -29,7 +29,7 @@ from pyro_implicit import (
     VectorizationError,
     WeightSpaceSVGD,
 )
-from pyro_implicit.diagnostics import run_nuts
+from pyro_implicit.diagnostics import compare, run_nuts
 from pyro_implicit.elbo.gpvi import gpvi_generator
 from pyro_implicit.latent import LatentSpace, complete_obs_mask
 
@@ -207,6 +207,27 @@ def test_a_point_mass_latent_is_refused_with_the_fix(what):
             run_nuts(_point_mass, Y, num_samples=5, warmup_steps=5)
         else:
             _first_step(what, _point_mass, Y)
+
+
+def _improper(y):
+    mu = pyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    "what", ["implicit", "semi", "linearized", "wsvgd", "stein", "nuts", "compare"]
+)
+def test_an_improper_prior_is_refused_naming_the_site_and_a_proper_one(what):
+    """A flat prior cannot be drawn from, and every method draws from the prior: torch's
+    "ImproperUniform does not support sampling" named neither the site nor the fix."""
+    with pytest.raises(ModelError, match="'mu' has an improper prior.*dist.Normal"):
+        if what == "nuts":
+            run_nuts(_improper, Y, num_samples=5, warmup_steps=5)
+        elif what == "compare":
+            compare(_improper, Y, methods=["kivi"], num_steps=2, num_samples=5)
+        else:
+            _first_step(what, _improper, Y)
 
 
 def _branching(y):

@@ -52,6 +52,7 @@ from ..latent import (
     PreconditionerWarning,
     check_precondition,
     complete_obs_mask,
+    improper_priors_named,
     no_latent_sites_error,
     plate_nesting,
 )
@@ -383,7 +384,8 @@ def compare(
     # one prior run tells the latent shapes, the plate nesting and the model's parameters,
     # and refuses discrete latents and NaN data before anything runs (NUTS takes seconds to
     # minutes); a model that mixes particles under a plate is refused here too
-    trace = prior_trace(model, args, kwargs)
+    with improper_priors_named("compare"):
+        trace = prior_trace(model, args, kwargs)
     check_trace_continuous(trace)
     check_observed_finite(trace)
     shapes = latent_shapes_of(trace)

@@ -26,6 +26,7 @@ from ..latent import (
     check_no_subsampled_local_latents,
     check_trace_continuous,
     complete_obs_mask,
+    improper_priors_named,
 )
 from ..progress import refresh_intervals
 
@@ -244,7 +245,8 @@ def run_nuts(
     if max_plate_nesting is not None:
         nuts_kwargs["max_plate_nesting"] = max_plate_nesting
     seeds = _chain_seeds(seed, num_chains)
-    space = _full_data_space(model, args, kwargs, max_plate_nesting)
+    with improper_priors_named("NUTS"):
+        space = _full_data_space(model, args, kwargs, max_plate_nesting)
 
     start = time.perf_counter()
     rng_state = pyro.util.get_rng_state()

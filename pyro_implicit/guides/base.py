@@ -41,6 +41,7 @@ from ..latent import (
     check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_precondition,
+    improper_priors_named,
     prototype_errors_named,
     resolve_precondition,
 )
@@ -207,7 +208,10 @@ class ImplicitAutoGuide(AutoContinuous):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
         try:
-            with prototype_errors_named(self, type(self).__name__):
+            with (
+                improper_priors_named(type(self).__name__),
+                prototype_errors_named(self, type(self).__name__),
+            ):
                 super()._setup_prototype(*args, **kwargs)
         except NotImplementedError as e:
             if "sequential" not in str(e):

@@ -70,6 +70,7 @@ from ..latent import (
     check_no_subsampled_local_latents,
     check_trace_shapes,
     complete_obs_mask,
+    improper_priors_named,
     plate_nesting,
     prototype_errors_named,
     resolve_precondition,
@@ -482,13 +483,15 @@ class ParticleInference:
 
     def _setup_space(self, args, kwargs):
         """The latent space, the vectorisation check and the preconditioner."""
-        if self.max_plate_nesting is None:
-            self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
+        who = type(self).__name__
         searching = self._precondition is True
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
-        with torch.no_grad(), prototype_errors_named(proto, type(self).__name__):
-            proto._setup_prototype(*args, **kwargs)
+        with improper_priors_named(who):
+            if self.max_plate_nesting is None:
+                self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
+            with torch.no_grad(), prototype_errors_named(proto, who):
+                proto._setup_prototype(*args, **kwargs)
         check_no_subsampled_local_latents(proto.prototype_trace, type(self).__name__)
         check_no_point_mass_latents(proto.prototype_trace, type(self).__name__)
         check_fixed_supports(self.model, proto.prototype_trace, args, kwargs, type(self).__name__)
