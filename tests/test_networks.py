@@ -95,3 +95,31 @@ def test_one_adam_step_moves_scaled_layers_far_less_than_standard_ones():
         moves[scaled] = (gen(noise).mean(0).detach() - before).abs().max().item()
     assert moves[False] > 2.0 and moves[True] < moves[False] / 5
     assert moves[True] < moves["ntk"] < moves[False]
+
+
+@pytest.mark.parametrize("scaled", [False, True, "ntk"])
+def test_recycled_units_keep_the_function_and_can_learn_again(scaled):
+    torch.manual_seed(0)
+    gen = MLPGenerator(4, 3, hidden_dims=(16, 16), skip=True, scaled=scaled)
+    with torch.no_grad():  # switch off six units of each layer for every draw
+        for linear in list(gen.hidden)[::2]:
+            linear.bias[:6] = -1e3
+    noise = torch.randn(256, 4)
+    before = gen(noise)
+    assert gen.recycle_dead_units() == 12
+    assert torch.allclose(gen(noise), before, atol=1e-6)  # the same function
+    first, second = list(gen.hidden)[::2]
+    alive = first(noise) > 0
+    assert alive[:, :6].any(0).all()  # each recycled unit fires for some draws
+    # zero out of a recycled unit (the second layer's recycled rows start fresh)
+    assert (second.weight[6:, :6] == 0).all() and (gen.output.weight[:, :6] == 0).all()
+    # its outgoing weights get a gradient again
+    gen(noise).pow(2).sum().backward()
+    out = gen.output
+    stored = out.raw_weight if hasattr(out, "raw_weight") else out.weight
+    assert stored.grad[:, :6].abs().sum() > 0
+
+
+def test_only_relu_generators_recycle():
+    assert MLPGenerator(4, 3, hidden_dims=(8,), activation="elu").recycle_dead_units() == 0
+    assert MLPGenerator(4, 3, hidden_dims=()).recycle_dead_units() == 0

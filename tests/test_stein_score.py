@@ -323,3 +323,55 @@ def test_a_leaky_generator_follows_new_data_after_converging():
     draws = guide.sample_posterior(4000)["mu"]
     assert abs(draws.mean() - more.sum() / precision) < 0.2 * precision**-0.5
     assert 0.85 < draws.std() * precision**0.5 < 1.15
+
+
+def _normal_mean_with_noise(y, noise):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", y.shape[0]):
+        pyro.sample("obs", dist.Normal(mu, noise), obs=y)
+
+
+def test_a_fitted_guide_follows_a_changed_input():
+    """300 steps at noise 1 switch every unit of the default generator off; after the
+    noise changes to 3 the loss recycles them, and q widens to the new posterior (without
+    the recycling it stayed at the old width, sd ratio 0.334 after 1500 steps)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y = 1.5 + torch.randn(20, generator=torch.Generator().manual_seed(0))
+    guide = ImplicitGuide(_normal_mean_with_noise)
+    svi = SVI(_normal_mean_with_noise, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
+    for _ in range(300):
+        svi.step(y, 1.0)
+    for _ in range(600):
+        svi.step(y, 3.0)
+    precision = 1 / 100 + 20 / 9
+    draws = guide.sample_posterior(4000)["mu"]
+    assert abs(draws.mean() - y.sum() / 9 / precision) < 0.2 * precision**-0.5
+    assert 0.85 < draws.std() * precision**0.5 < 1.15
+
+
+def test_units_are_recycled_only_when_steady_inputs_change(monkeypatch):
+    from pyro_implicit.guides.networks import MLPGenerator
+
+    calls = []
+    recycle = MLPGenerator.recycle_dead_units
+    monkeypatch.setattr(
+        MLPGenerator, "recycle_dead_units", lambda self: calls.append(1) or recycle(self)
+    )
+    pyro.clear_param_store()
+    y = torch.randn(20)
+    guide = ImplicitGuide(_normal_mean_with_noise)
+    loss = SteinScoreELBO()
+    svi = SVI(_normal_mean_with_noise, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
+    for _ in range(150):  # the same inputs: a fit on fixed data is untouched
+        svi.step(y, 1.0)
+    svi.evaluate_loss(y + 1.0, 1.0)  # no gradient step: not counted
+    assert calls == []
+    for _ in range(3):  # new tensors every step (the user's own minibatches)
+        svi.step(y.clone(), 1.0)
+    assert calls == [1]  # once: the first change after 150 steady steps
+    for _ in range(150):
+        svi.step(y, 1.0)
+    y.add_(0.1)  # modified in place: a change too
+    svi.step(y, 1.0)
+    assert calls == [1, 1]

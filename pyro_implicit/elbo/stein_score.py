@@ -35,6 +35,7 @@ residual is what pulls q back (``benchmarks/results/stein_score_diagnosis.md``).
 """
 
 import math
+import weakref
 
 import torch
 from pyro import poutine
@@ -149,6 +150,39 @@ def default_num_particles(latent_dim):
     return next(count for count, up_to in AUTO_PARTICLES if latent_dim <= up_to)
 
 
+#: steps on unchanged inputs after which a change of the inputs recycles the generator's
+#: switched-off units (:meth:`SteinScoreELBO._follow_new_inputs`)
+RECYCLE_AFTER_STEADY_STEPS = 100
+
+
+class _Inputs:
+    """A step's model inputs, compared without reading their values (no device
+    synchronisation): tensors by identity and version (the same object, not modified in
+    place; held here, so an identity is not reused by another tensor), numbers and strings
+    by value, other objects by identity."""
+
+    def __init__(self, args, kwargs):
+        self.values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+        self.keys = sorted(kwargs)
+        self.versions = [v._version if torch.is_tensor(v) else None for v in self.values]
+
+    def __eq__(self, other):
+        if self.keys != other.keys or len(self.values) != len(other.values):
+            return False
+        pairs = zip(self.values, other.values, self.versions, other.versions, strict=True)
+        for a, b, va, vb in pairs:
+            if torch.is_tensor(a) or torch.is_tensor(b) or not _by_value(a):
+                if a is not b or va != vb:
+                    return False
+            elif type(a) is not type(b) or a != b:
+                return False
+        return True
+
+
+def _by_value(value):
+    return isinstance(value, (bool, int, float, complex, str, bytes, type(None)))
+
+
 def _latent_size(model, args, kwargs):
     """The number of unconstrained coordinates of the model's latent sites, from one trace
     of the model that leaves the random streams as they were (so a fit with ``"auto"``
@@ -222,6 +256,14 @@ class SteinScoreELBO(KernelRatioELBO):
     residual, like every kernel estimate from a few hundred draws, sees only coarse
     non-Gaussian shape (its IMQ kernel reaches further into a funnel than an RBF one, but
     the neck's width is still resolved only roughly).
+
+    **Continuing a fit.** On a near-Gaussian posterior this loss switches the generator's
+    ReLU units off; a guide left that way keeps its width when the posterior moves. When an
+    SVI step's inputs (the model's arguments) differ from those of the 100 or more steps
+    before it, the switched-off units are recycled first (fresh incoming weights, zero
+    outgoing ones: q unchanged at that step, able to learn again); fits on fixed data and
+    on minibatches made anew each step never trigger it (docs/choosing_settings.md,
+    "Continuing a fit").
 
     **The returned loss** is ``-``:math:`\hat{\mathcal L}` with the Gaussian entropy of the
     draws in place of q's: an upper bound on the entropy, so the value is optimistic; use it
@@ -318,6 +360,33 @@ class SteinScoreELBO(KernelRatioELBO):
         self.adaptive_contrast = "moments"
         self.ridge = float(ridge)
         self._auto_counts = {} if auto else None  # (id(model), id(guide)) -> count
+        # guide -> (its last step's inputs, steps on them); weak, so a new guide that
+        # reuses a freed one's id starts afresh
+        self._steady_inputs = weakref.WeakKeyDictionary()
+
+    def loss_and_grads(self, model, guide, *args, **kwargs):
+        self._follow_new_inputs(guide, args, kwargs)
+        return super().loss_and_grads(model, guide, *args, **kwargs)
+
+    def _follow_new_inputs(self, guide, args, kwargs):
+        """Recycle the generator's switched-off ReLU units when the model's inputs change
+        after at least :data:`RECYCLE_AFTER_STEADY_STEPS` steps on the same ones (new data,
+        a changed argument): the units this loss switches off on a near-Gaussian posterior
+        regularise the fit, but left off they keep q at its old width (0.33 of the new
+        posterior's sd for 1500 steps after a noise level changed from 1 to 3). Inputs that
+        change every step (the user's own minibatches) never trigger it, nor do constant
+        ones, so a fit on fixed data is unchanged."""
+        generator = getattr(guide, "generator", None)
+        if not hasattr(generator, "recycle_dead_units"):
+            return
+        inputs = _Inputs(args, kwargs)
+        steady = self._steady_inputs.get(guide)
+        if steady is not None and steady[0] == inputs:
+            self._steady_inputs[guide] = (inputs, steady[1] + 1)
+            return
+        if steady is not None and steady[1] >= RECYCLE_AFTER_STEADY_STEPS:
+            generator.recycle_dead_units()
+        self._steady_inputs[guide] = (inputs, 0)
 
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         if self._auto_counts is not None:

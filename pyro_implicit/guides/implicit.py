@@ -62,9 +62,9 @@ class ImplicitGuide(ImplicitAutoGuide):
     :param str activation: MLP activation: ``"relu"`` (KIVI's choice, the default),
         ``"leaky_relu"``, ``"tanh"``, ``"elu"`` or ``"softplus"``. Under
         ``SteinScoreELBO`` on a near-Gaussian posterior the ReLU units switch off, which
-        helps its fits, but a converged guide then keeps its width when trained on new
-        data; ``"leaky_relu"`` lets the units come back (docs/choosing_settings.md,
-        "Continuing a fit").
+        helps its fits; the loss recycles them when the model's inputs change, and
+        ``"leaky_relu"`` keeps them learning where the posterior moves without that
+        (docs/choosing_settings.md, "Continuing a fit").
     :param bool per_site: one independent generator per latent site (KIVI's layer-wise
         factorisation); losses then estimate the KL per site.
     :param tuple mmnn_noise_shape: noise matrix of each MMNN (default ``(min(M, 30),

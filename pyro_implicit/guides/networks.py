@@ -237,6 +237,39 @@ class MLPGenerator(nn.Module):
             jac = jac + self.skip_scale * eye
         return jac
 
+    @torch.no_grad()
+    def recycle_dead_units(self, num_draws=512):
+        """Give every hidden ReLU unit that is off for all of ``num_draws`` fresh noise draws
+        new incoming weights (PyTorch's ``nn.Linear`` initialisation, in the layer's own
+        parametrisation) and zero outgoing ones: the generator computes the same function,
+        and the unit can learn again (Sokar et al. 2023, "The dormant neuron phenomenon",
+        ReDo). Returns the number of units recycled (0 for other activations).
+
+        Under ``SteinScoreELBO`` on a near-Gaussian posterior every unit switches off, so a
+        fitted guide keeps its width when the posterior later moves
+        (``benchmarks/results/audit_probes_s59.md``)."""
+        if self.activation != "relu" or not len(self.hidden):
+            return 0
+        linears = list(self.hidden)[::2]
+        param = self.output.bias
+        h = torch.randn(num_draws, self.noise_dim, dtype=param.dtype, device=param.device)
+        recycled = 0
+        for i, linear in enumerate(linears):
+            pre = linear(h)
+            dead = ~(pre > 0).any(0)
+            if dead.any():
+                fresh = nn.Linear(linear.in_features, linear.out_features)
+                fresh = fresh.to(dtype=param.dtype, device=param.device)
+                scale = linear.multiplier if isinstance(linear, ScaledLinear) else 1.0
+                _stored(linear)[dead] = fresh.weight[dead] / scale
+                linear.bias[dead] = fresh.bias[dead]
+                after = linears[i + 1] if i + 1 < len(linears) else self.output
+                _stored(after)[:, dead] = 0.0
+                recycled += int(dead.sum())
+                pre = linear(h)
+            h = torch.relu(pre)
+        return recycled
+
     def init_output(self, loc, scale):
         """Centre the output at ``loc`` with per-coordinate spread ``scale`` (with
         ``skip``: the skip carries that spread on its k coordinates and the residual
