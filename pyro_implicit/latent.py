@@ -179,6 +179,15 @@ def subsampled_plate_of(site):
     return None
 
 
+def _wrapped(fn, kind):
+    """Whether ``fn`` is a distribution of type ``kind`` or wraps one (``Independent``,
+    ``MaskedDistribution``, ``ExpandedDistribution``, a transformed one: ``base_dist``
+    down the chain)."""
+    while not isinstance(fn, kind) and hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return isinstance(fn, kind)
+
+
 def _improper_site(error):
     """The Pyro site whose ``ImproperUniform`` raised ``error`` (or one it was raised from):
     the deepest frame of its traceback that holds the site's message, whatever handlers
@@ -191,12 +200,7 @@ def _improper_site(error):
             for key in ("msg", "site"):
                 site = tb.tb_frame.f_locals.get(key)
                 if isinstance(site, dict) and "name" in site and "fn" in site:
-                    fn = site["fn"]
-                    while not isinstance(fn, pyro.distributions.ImproperUniform) and hasattr(
-                        fn, "base_dist"
-                    ):
-                        fn = fn.base_dist
-                    if isinstance(fn, pyro.distributions.ImproperUniform):
+                    if _wrapped(site["fn"], pyro.distributions.ImproperUniform):
                         found = site
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
@@ -237,10 +241,7 @@ def check_no_point_mass_latents(trace, who="pyro_implicit"):
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
             continue
-        fn = site["fn"]
-        while not isinstance(fn, pyro.distributions.Delta) and hasattr(fn, "base_dist"):
-            fn = fn.base_dist
-        if isinstance(fn, pyro.distributions.Delta):
+        if _wrapped(site["fn"], pyro.distributions.Delta):
             raise ModelError(
                 f"{who}: latent site {name!r} is a point mass (Delta): it has no density to "
                 "approximate, so every draw but one has log-density -inf. Record a value "
