@@ -64,6 +64,14 @@ __all__ = [
 #: median pairwise distance of the draws (the paper's median rule without the correction)
 STEIN_BANDWIDTH_FACTOR = 0.7
 
+#: ``contrast_rate="auto"`` for a model with its own ``pyro.param``: its posterior moves
+#: while q is fitted (empirical Bayes), away from the preconditioner's Gaussian; with the
+#: contrast left there q's width wandered 0.47-1.29 and 0.20-1.03 of the exact posterior's
+#: (a Normal mean and a regression whose noise scale is learned, seeds 0-2, steps
+#: 1000-4000), with r following q at 0.02 0.83-1.03 and from step 2000 0.94-1.03
+#: (``benchmarks/results/audit_probes_s59.md``, section 6)
+MOVING_CONTRAST_RATE = 0.02
+
 
 def kernel_log_ratio(q_samples, p_samples, regularizer=1e-3, clip=1e-8, kernel=None):
     r"""Clipped log of KIVI's reverse-ratio estimate :math:`\hat r_{pq} = p / q` at the q
@@ -235,9 +243,12 @@ class KernelRatioELBO(ImplicitELBO):
         least as many noise values as outputs: the default up to D = 64), ``"full"`` for a
         preconditioned guide of lower rank (a fixed full-rank contrast is infinitely far
         from it; on a UCI BNN the fit diverged), else ``False`` (the paper's).
-    :param float contrast_rate: with the ``"preconditioner"`` contrast, the weight of
+    :param contrast_rate: with the ``"preconditioner"`` contrast, the weight of
         each step's draws in a moving average of q's whitened moments that r follows.
-        Default 0: r stays at the preconditioner's Gaussian, the most accurate choice on
+        Default ``"auto"``: :data:`MOVING_CONTRAST_RATE` (0.02) for a model with its own
+        ``pyro.param``, whose posterior moves away from the preconditioner while q is
+        fitted (with r left there q's width wandered 0.20-1.29 of the exact posterior's),
+        else 0. At 0 r stays at the preconditioner's Gaussian, the most accurate choice on
         exact Gaussian posteriors (worst mean error over five of them 0.13-0.41 sd at
         seeds 1-3, against 0.19-0.81 at 0.02, seeds 0-3: r's lagging centre biases q);
         but there the exact term :math:`\mathbb E_q[-\log r]` rewards q for leaving r
@@ -332,7 +343,7 @@ class KernelRatioELBO(ImplicitELBO):
         kernel=None,
         per_group=True,
         adaptive_contrast="auto",
-        contrast_rate=0.0,
+        contrast_rate="auto",
         stein_identity="affine",
         exact_sites="auto",
         max_plate_nesting=float("inf"),
@@ -384,9 +395,14 @@ class KernelRatioELBO(ImplicitELBO):
                 f"'preconditioner', got {adaptive_contrast!r}"
             )
         self.adaptive_contrast = "diag" if adaptive_contrast is True else adaptive_contrast
-        if not 0 <= contrast_rate <= 1:
-            raise ValueError(f"contrast_rate must lie in [0, 1], got {contrast_rate}")
-        self.contrast_rate = float(contrast_rate)
+        if contrast_rate != "auto":
+            if isinstance(contrast_rate, str) or not 0 <= contrast_rate <= 1:
+                raise ValueError(
+                    f"contrast_rate must be 'auto' or lie in [0, 1], got {contrast_rate!r}"
+                )
+            contrast_rate = float(contrast_rate)
+        self.contrast_rate = contrast_rate
+        self._model_has_params = False  # read from each traced step's model trace
         if stein_identity not in (None, False, "mean", "affine"):
             raise ValueError(
                 f"stein_identity must be 'affine', 'mean' or None, got {stein_identity!r}"
@@ -457,6 +473,14 @@ class KernelRatioELBO(ImplicitELBO):
             )
         return self._links[key]
 
+    def _contrast_rate(self):
+        """:attr:`contrast_rate`, with ``"auto"`` resolved: :data:`MOVING_CONTRAST_RATE`
+        for a model with its own ``pyro.param`` (its posterior moves while q is fitted),
+        else 0."""
+        if self.contrast_rate != "auto":
+            return self.contrast_rate
+        return MOVING_CONTRAST_RATE if self._model_has_params else 0.0
+
     def _tracking_contrast(self, preconditioners, group, q):
         r"""The ``"preconditioner"`` contrast of a group, :math:`r = N(m + L\mu, L\Sigma
         L^\top)` with :math:`(\mu, \Sigma)` the moments of q's whitened draws, averaged
@@ -487,7 +511,7 @@ class KernelRatioELBO(ImplicitELBO):
         self._last_drift = batch_mean.abs().max().item()
         # a saturated ratio (most draws clipped on the last step: q has left r) re-anchors r
         # at q's current moments; otherwise r moves by contrast_rate
-        rate = 1.0 if self._saturated.get(key, False) else self.contrast_rate
+        rate = 1.0 if self._saturated.get(key, False) else self._contrast_rate()
         if rate > 0:
             self._contrast_moments[key] = self._moved_moments(
                 self._contrast_moments.get(key), z64, batch_mean, rate
@@ -556,10 +580,12 @@ class KernelRatioELBO(ImplicitELBO):
     def _loss_and_surrogate(self, model, guide, args, kwargs):
         plan = self._fast_plans.get((id(model), id(guide)))
         if plan is not None:
+            self._model_has_params = False  # a plan is made only for such models
             out = self._fast_loss_and_surrogate(plan, guide, args, kwargs)
             if out is not None:
                 return out
         model_trace, guide_trace = self._traces(model, guide, args, kwargs)
+        self._model_has_params = any(s["type"] == "param" for s in model_trace.nodes.values())
         n, mpn = self.num_particles, self.max_plate_nesting
         loglik = self.log_likelihood_particles(model_trace).mean()
 
