@@ -621,10 +621,12 @@ class KernelRatioELBO(ImplicitELBO):
             prior_scale = _common_scale([latents[name] for name in group])
             guide_scale = _common_scale([guide_trace.nodes[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
-            if ac:
+            if ac or prior_scale != guide_scale:
+                # E_q[log p(z)] per draw, the prior's log-density without its scale
                 log_prior = sum(
                     particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
                 )
+            if ac:
                 log_jacobian = sum(log_jac[name] for name in group)
                 contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, q)
                 group_term = prior_scale * log_prior.mean() + guide_scale * (
@@ -638,9 +640,6 @@ class KernelRatioELBO(ImplicitELBO):
                 if prior_scale != guide_scale:
                     # -KL is E_q[log p] + H[q]: the kernel estimate carries the prior at the
                     # guide's weight, the rest of the prior's weight enters exactly
-                    log_prior = sum(
-                        particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
-                    )
                     group_term = group_term + (prior_scale - guide_scale) * log_prior.mean()
             latent_term = latent_term + group_term
             info["kl"] = kl.item()
@@ -744,7 +743,7 @@ class KernelRatioELBO(ImplicitELBO):
             or list(guide._unconstrained_shapes) != groups[0]
             or _common_scale([latents[name] for name in names]) != 1.0
             or _common_scale([guide_trace.nodes[name] for name in names]) != 1.0
-            or any(site["type"] == "param" for site in model_trace.nodes.values())
+            or self._model_has_params  # read from this step's model trace
         ):
             return None
         space = LatentSpace.from_guide(guide, args, kwargs, self.max_plate_nesting - 1, model)
@@ -790,7 +789,7 @@ class KernelRatioELBO(ImplicitELBO):
         The model's prior is re-run on the detached draws (stopping before the likelihood)
         so that the gradient reaches the parameters and not the guide through upstream
         latents. Models without ``pyro.param`` calls skip this (a plain 0)."""
-        if not any(site["type"] == "param" for site in model_trace.nodes.values()):
+        if not self._model_has_params:
             return 0.0
         n, mpn = self.num_particles, self.max_plate_nesting
         detached = poutine.Trace()
