@@ -179,7 +179,7 @@ def subsampled_plate_of(site):
     return None
 
 
-def _wrapped(fn, kind):
+def wraps_distribution(fn, kind):
     """Whether ``fn`` is a distribution of type ``kind`` or wraps one (``Independent``,
     ``MaskedDistribution``, ``ExpandedDistribution``, a transformed one: ``base_dist``
     down the chain)."""
@@ -200,7 +200,7 @@ def _improper_site(error):
             for key in ("msg", "site"):
                 site = tb.tb_frame.f_locals.get(key)
                 if isinstance(site, dict) and "name" in site and "fn" in site:
-                    if _wrapped(site["fn"], pyro.distributions.ImproperUniform):
+                    if wraps_distribution(site["fn"], pyro.distributions.ImproperUniform):
                         found = site
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
@@ -241,7 +241,7 @@ def check_no_point_mass_latents(trace, who="pyro_implicit"):
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
             continue
-        if _wrapped(site["fn"], pyro.distributions.Delta):
+        if wraps_distribution(site["fn"], pyro.distributions.Delta):
             raise ModelError(
                 f"{who}: latent site {name!r} is a point mass (Delta): it has no density to "
                 "approximate, so every draw but one has log-density -inf. Record a value "

@@ -384,6 +384,49 @@ def test_prior_contrast_is_scaled_as_trace_elbo(guide_scale):
     assert float(sum(grads)) / 5 == pytest.approx(-scale + beta * s**2, abs=0.1)
 
 
+def _masked_prior_model(how):
+    # z ~ N(0, 1) in a plate of two, the first prior kept and the second masked (a flat
+    # prior, as Pyro writes one); "both" masks both
+    keep = {"poutine": [True, False], "both": [False, False]}.get(how)
+
+    def model():
+        with pyro.plate("p", 2):
+            if how == "distribution":
+                pyro.sample("z", dist.Normal(0.0, 1.0).mask(torch.tensor([True, False])))
+            else:
+                with pyro.poutine.mask(mask=torch.tensor(keep)):
+                    pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    return model
+
+
+@pytest.mark.parametrize("how", ["poutine", "distribution", "both"])
+def test_prior_contrast_of_a_masked_prior_is_trace_elbos(how):
+    # The prior's draws ignore its mask, the model's density does not: the kernel's KL to
+    # the unmasked prior is corrected exactly. Trace_ELBO's gradients of -ELBO for q =
+    # N(m, s^2) per coordinate: m and -1 + s^2 in (loc, log s) where the prior is kept,
+    # 0 and -1 where it is masked (AutoNormal's unconstrained scale is softplus^-1(s):
+    # times 1 - exp(-s)); the kernel's KL alone gave the kept ones' values to both
+    # coordinates (0.50 and 0.00 at m = 0.5, s = 1).
+    m, s = 0.5, 1.0
+    model = _masked_prior_model(how)
+    guide = AutoNormal(model, init_scale=s)
+    guide()
+    with torch.no_grad():
+        guide.locs.z.fill_(m)
+    elbo = KernelRatioELBO(
+        num_particles=1000, adaptive_contrast=False, max_plate_nesting=1, exact_sites=()
+    )
+    params = [pyro.param("AutoNormal.locs.z"), pyro.param("AutoNormal.scales.z").unconstrained()]
+    grads = [torch.autograd.grad(elbo.differentiable_loss(model, guide), params) for _ in range(5)]
+    loc_grad, scale_grad = (sum(g[i] for g in grads) / 5 for i in range(2))
+    kept = torch.tensor([how != "both", False], dtype=torch.float64)
+    assert torch.allclose(loc_grad, m * kept, atol=0.15), loc_grad
+    softplus_slope = 1.0 - math.exp(-s)
+    expected = (-1.0 + s**2 * kept) * softplus_slope
+    assert torch.allclose(scale_grad, expected, atol=0.15), scale_grad
+
+
 def test_exact_sites_accept_a_pyro_autoguide():
     # AutoNormal records the site as a Jacobian Delta beside an auxiliary Normal: both are
     # the site's log q. Its KL term is that of LogNormal(m, s) against the Gamma prior.

@@ -49,7 +49,6 @@ def test_normal_normal_posterior():
         progress_bar=False,
     )
     elapsed = time.perf_counter() - start
-    assert elapsed < 30.0, f"run_nuts took {elapsed:.1f}s"  # a few seconds when idle
 
     assert isinstance(result, NUTSResult)
     assert set(result.samples) == {"mu"}

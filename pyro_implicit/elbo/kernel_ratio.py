@@ -29,6 +29,7 @@ import warnings
 import pyro
 import torch
 from pyro import poutine
+from pyro.distributions import MaskedDistribution
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuideList
 from pyro.infer.inspect import get_dependencies
@@ -38,7 +39,7 @@ from ..contract import SAMPLE
 from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, kernel_and_derivative, solve_kernel_system, squared_distances
-from ..latent import LatentSpace, preconditioner_of, subsampled_plate_of
+from ..latent import LatentSpace, preconditioner_of, subsampled_plate_of, wraps_distribution
 from .base import (
     RUNAWAY_DRIFT,
     ImplicitELBO,
@@ -621,7 +622,7 @@ class KernelRatioELBO(ImplicitELBO):
             prior_scale = _common_scale([latents[name] for name in group])
             guide_scale = _common_scale([guide_trace.nodes[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
-            if ac or prior_scale != guide_scale:
+            if ac or prior_scale != guide_scale or any(_masked(latents[k]) for k in group):
                 # E_q[log p(z)] per draw, the prior's log-density without its scale
                 log_prior = sum(
                     particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
@@ -637,7 +638,17 @@ class KernelRatioELBO(ImplicitELBO):
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
                 del info["log_ratio_gradient"]  # diagnostics hold numbers
                 group_term = -guide_scale * kl
-                if prior_scale != guide_scale:
+                if any(_masked(latents[name]) for name in group):
+                    # the draws come from the prior without its mask, whose density the
+                    # model scores as 0 where masked: the kernel estimates KL(q || r) for
+                    # that unmasked r, and E_q[scale * log p - log r] enters exactly
+                    log_r = sum(
+                        particle_sum(_unmasked_log_prob(latents[name]), n, mpn) for name in group
+                    )
+                    group_term = group_term + (
+                        prior_scale * log_prior.mean() - guide_scale * log_r.mean()
+                    )
+                elif prior_scale != guide_scale:
                     # -KL is E_q[log p] + H[q]: the kernel estimate carries the prior at the
                     # guide's weight, the rest of the prior's weight enters exactly
                     group_term = group_term + (prior_scale - guide_scale) * log_prior.mean()
@@ -1086,6 +1097,30 @@ def _common_scale(sites):
 def _unscaled_log_prob(site):
     """A site's log-density with its mask but without its ``poutine.scale``."""
     return scale_and_mask(site["unscaled_log_prob"], mask=site["mask"])
+
+
+def _masked(site):
+    """Whether the model masks a latent site's prior (``poutine.mask`` or a
+    ``MaskedDistribution``, e.g. ``.mask(False)``, the flat prior of a Pyro model)."""
+    return site["mask"] is not None or wraps_distribution(site["fn"], MaskedDistribution)
+
+
+def _without_masks(fn):
+    """``fn`` with every ``MaskedDistribution`` in its chain of wrappers taken out."""
+    if isinstance(fn, MaskedDistribution):
+        return _without_masks(fn.base_dist)
+    if isinstance(fn, torch.distributions.Independent):
+        return torch.distributions.Independent(
+            _without_masks(fn.base_dist), fn.reinterpreted_batch_ndims
+        )
+    return fn
+
+
+def _unmasked_log_prob(site):
+    """The log-density, without mask or scale, of the distribution a latent site's prior
+    draws come from (:func:`~pyro_implicit.elbo.traces.prior_particles`: a masked prior
+    still draws from its base)."""
+    return _without_masks(site["fn"]).log_prob(site["value"])
 
 
 def _refuse_subsampled_latents(sites):
