@@ -30,6 +30,7 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.distributions import MaskedDistribution
+from pyro.distributions.torch_distribution import ExpandedDistribution
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuideList
 from pyro.infer.inspect import get_dependencies
@@ -1113,6 +1114,8 @@ def _without_masks(fn):
         return torch.distributions.Independent(
             _without_masks(fn.base_dist), fn.reinterpreted_batch_ndims
         )
+    if isinstance(fn, ExpandedDistribution):
+        return _without_masks(fn.base_dist).expand(fn.batch_shape)
     return fn
 
 
@@ -1120,7 +1123,15 @@ def _unmasked_log_prob(site):
     """The log-density, without mask or scale, of the distribution a latent site's prior
     draws come from (:func:`~pyro_implicit.elbo.traces.prior_particles`: a masked prior
     still draws from its base)."""
-    return _without_masks(site["fn"]).log_prob(site["value"])
+    unmasked = _without_masks(site["fn"])
+    if wraps_distribution(unmasked, MaskedDistribution):
+        raise UnsupportedPairError(
+            f"latent site {site['name']!r}: its prior {site['fn']} holds a mask inside a "
+            "wrapper this loss cannot see through, so the prior contrast cannot score its "
+            "draws; use KernelRatioELBO(adaptive_contrast='full'), or poutine.mask around "
+            "the site instead of the distribution's .mask()"
+        )
+    return unmasked.log_prob(site["value"])
 
 
 def _refuse_subsampled_latents(sites):
