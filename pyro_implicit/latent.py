@@ -59,7 +59,9 @@ from .errors import ModelError, UnsupportedModelError
 from .progress import refresh_intervals
 
 __all__ = [
+    "DrawableFlatPrior",
     "LatentSpace",
+    "completed_model",
     "plate_nesting",
     "preconditioner_of",
     "Preconditioner",
@@ -186,48 +188,6 @@ def wraps_distribution(fn, kind):
     while not isinstance(fn, kind) and hasattr(fn, "base_dist"):
         fn = fn.base_dist
     return isinstance(fn, kind)
-
-
-def _improper_site(error):
-    """The Pyro site whose ``ImproperUniform`` raised ``error`` (or one it was raised from):
-    the deepest frame of its traceback that holds the site's message, whatever handlers
-    (an autoguide's ``InitMessenger``) wrapped the model; ``None`` if there is none."""
-    found, seen = None, set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        tb = error.__traceback__
-        while tb is not None:
-            for key in ("msg", "site"):
-                site = tb.tb_frame.f_locals.get(key)
-                if isinstance(site, dict) and "name" in site and "fn" in site:
-                    if wraps_distribution(site["fn"], pyro.distributions.ImproperUniform):
-                        found = site
-            tb = tb.tb_next
-        error = error.__cause__ or error.__context__
-    return found
-
-
-@contextlib.contextmanager
-def improper_priors_named(who):
-    """Around the first runs of a model: torch's "does not support sampling" of an
-    improper prior (``ImproperUniform``) becomes a :class:`~pyro_implicit.errors.
-    ModelError` that names the site and a proper prior to use. Every method here draws
-    from the prior (its starting points, the vectorisation check, KIVI's prior
-    contrast), as Pyro's ``init_to_median`` and ``init_to_feasible`` do."""
-    try:
-        yield
-    except NotImplementedError as e:
-        site = _improper_site(e) if "does not support sampling" in str(e) else None
-        if site is None:
-            raise
-        raise ModelError(
-            f"{who}: latent site {site['name']!r} has an improper prior (ImproperUniform "
-            f"on {site['fn'].support}), which cannot be drawn from, and this library "
-            "draws from the prior (starting points, the vectorisation check, KIVI's prior "
-            "contrast). Give it a proper prior that is flat at the data's scale, e.g. "
-            "dist.Normal(0., 100.) for a real site or dist.HalfNormal(100.) for a positive "
-            "one."
-        ) from e
 
 
 def check_no_point_mass_latents(trace, who="pyro_implicit"):
@@ -377,7 +337,7 @@ def support_transform(site, who="pyro_implicit"):
 
 
 class _CompleteObsMask(Messenger):
-    """See :func:`complete_obs_mask`."""
+    """See :func:`completed_model`."""
 
     def __enter__(self):
         self._observed_masks = {}
@@ -396,34 +356,129 @@ class _CompleteObsMask(Messenger):
                 msg["mask"] = mask | observed
 
 
-def complete_obs_mask(model):
-    """``model`` with every ``pyro.sample(name, fn, obs=y, obs_mask=m)`` made proper.
+def completed_model(model):
+    """``model`` as every method here runs it: each ``obs_mask`` made proper and each flat
+    prior made drawable, its density unchanged.
 
-    Pyro splits such a site in two: ``{name}_observed`` (the data where ``m`` holds) and
-    the latent ``{name}_unobserved``, of the whole shape but masked by ``~m``, whose
-    entries where ``m`` holds are replaced by the data and so never used. Those entries
-    have no density at all: a flat, improper direction of the posterior, along which a
-    preconditioner's Laplace or Gaussian fit widens without end and a kernel's length
-    scale is lost. Here they get ``fn``'s own density instead (the mask becomes ``~m | m``,
-    times any outer mask), which integrates to one over each of them: the posterior of
-    every other site, and of the missing entries, is unchanged, and those entries become
-    draws of ``fn`` given the rest. A model without ``obs_mask`` runs as it is.
+    **obs_mask.** Pyro splits ``pyro.sample(name, fn, obs=y, obs_mask=m)`` in two:
+    ``{name}_observed`` (the data where ``m`` holds) and the latent ``{name}_unobserved``,
+    of the whole shape but masked by ``~m``, whose entries where ``m`` holds are replaced
+    by the data and so never used. Those entries have no density at all: a flat, improper
+    direction of the posterior, along which a preconditioner's Laplace or Gaussian fit
+    widens without end and a kernel's length scale is lost. Here they get ``fn``'s own
+    density instead (the mask becomes ``~m | m``, times any outer mask), which integrates
+    to one over each of them: the posterior of every other site, and of the missing
+    entries, is unchanged, and those entries become draws of ``fn`` given the rest.
+
+    **Flat priors.** A latent ``ImproperUniform`` (Pyro's flat prior, log-density 0)
+    cannot be drawn from, and every method here draws from the prior: its starting
+    points, the vectorisation check, KIVI's prior contrast (as Pyro's ``init_to_median``
+    does). Here it becomes a :class:`DrawableFlatPrior`: draws of ``biject_to(support)``
+    of standard normal noise, the log-density still 0, so the posterior is the model's.
+
+    A model with neither runs as it is.
     """
-    if isinstance(model, _ObsMaskCompleted):
+    if isinstance(model, _CompletedModel):
         return model
-    return _ObsMaskCompleted(model)
+    return _CompletedModel(model)
 
 
-class _ObsMaskCompleted:
-    """A model run under :class:`_CompleteObsMask` (a fresh one per call)."""
+class _CompletedModel:
+    """A model run under :class:`_CompleteObsMask` and :class:`_DrawableFlatPriors`
+    (fresh ones per call)."""
 
     def __init__(self, model):
         self.model = model
         functools.update_wrapper(self, model, updated=())
 
     def __call__(self, *args, **kwargs):
-        with _CompleteObsMask():
+        with _CompleteObsMask(), _DrawableFlatPriors(_first_float_tensor(args, kwargs)):
             return self.model(*args, **kwargs)
+
+
+def _first_float_tensor(args, kwargs):
+    """The first floating-point tensor among a model's inputs (``None`` if none): the
+    device of the data."""
+    for value in itertools.chain(args, kwargs.values()):
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value
+    return None
+
+
+class _DrawableFlatPriors(Messenger):
+    """See :func:`completed_model`: each latent ``ImproperUniform`` becomes
+    :func:`drawable_flat_prior`, on the device of ``like``."""
+
+    def __init__(self, like=None):
+        super().__init__()
+        self.like = like
+
+    def _process_message(self, msg):
+        if msg["type"] != "sample" or msg["is_observed"]:
+            return
+        if wraps_distribution(msg["fn"], pyro.distributions.ImproperUniform):
+            msg["fn"] = drawable_flat_prior(msg["fn"], msg["name"], self.like)
+
+
+class DrawableFlatPrior(pyro.distributions.ImproperUniform):
+    """A flat prior that can be drawn from: ``ImproperUniform``'s support, shapes and
+    log-density 0 (so the posterior is the model's), with draws ``biject_to(support)`` of
+    standard normal noise, which serve as starting points only."""
+
+    #: a tensor whose device the draws take (``None``: torch's default)
+    like = None
+
+    def expand(self, batch_shape, _instance=None):
+        new = super().expand(batch_shape, _instance)
+        new.like = self.like
+        return new
+
+    def noise_distribution(self):
+        """The distribution the draws come from (its log-density is KIVI's prior
+        contrast's, :class:`~pyro_implicit.elbo.KernelRatioELBO`)."""
+        transform = biject_to(self.support)
+        shape = transform.inverse_shape(self.batch_shape + self.event_shape)
+        # torch's default dtype, as a prior written with Python numbers draws in
+        device = None if self.like is None else self.like.device
+        zeros = torch.zeros(shape, dtype=torch.get_default_dtype(), device=device)
+        noise = pyro.distributions.Normal(zeros, 1.0).to_event(transform.domain.event_dim)
+        drawn = pyro.distributions.TransformedDistribution(noise, transform)
+        return drawn.to_event(len(self.event_shape) - len(drawn.event_shape))
+
+    def sample(self, sample_shape=()):
+        with torch.no_grad():
+            return self.noise_distribution().sample(torch.Size(sample_shape))
+
+
+def drawable_flat_prior(fn, name="?", like=None):
+    """``fn``, an ``ImproperUniform`` (possibly under ``.to_event``), as a
+    :class:`DrawableFlatPrior` whose draws take the device of the tensor ``like``.
+
+    :raises ModelError: where ``fn`` wraps the ``ImproperUniform`` otherwise, or no map
+        from real space reaches its support, naming the site ``name``.
+    """
+    flat = fn.base_dist if isinstance(fn, torch.distributions.Independent) else fn
+    if isinstance(flat, DrawableFlatPrior):
+        return fn
+    if type(flat) is not pyro.distributions.ImproperUniform:
+        raise ModelError(
+            f"latent site {name!r}: its flat prior (ImproperUniform) is wrapped in "
+            f"{type(fn).__name__}, which this library cannot draw from; write "
+            "ImproperUniform(support, batch_shape, event_shape) at the site, or give it "
+            "a proper prior that is flat at the data's scale, e.g. dist.Normal(0., 100.)"
+        )
+    drawable = DrawableFlatPrior(flat.support, flat.batch_shape, flat.event_shape)
+    drawable.like = like
+    try:
+        drawable.noise_distribution()
+    except NotImplementedError:
+        raise ModelError(
+            f"latent site {name!r} has a flat prior (ImproperUniform) on {fn.support}, "
+            "which has no map from real space to draw from; give it a proper prior"
+        ) from None
+    if flat is fn:
+        return drawable
+    return drawable.to_event(fn.reinterpreted_batch_ndims)
 
 
 def check_trace_shapes(trace, max_plate_nesting):
@@ -539,7 +594,7 @@ class LatentSpace:
     plate_name = "_latent_particles"
 
     def __init__(self, model, prototype_trace, max_plate_nesting, unconstrained_shapes=None):
-        self.model = complete_obs_mask(_without_init(model))
+        self.model = completed_model(_without_init(model))
         # every plate of the model counts, those of observed sites too (a guide's own
         # max_plate_nesting counts only its latents' plates)
         self.max_plate_nesting = max(int(max_plate_nesting), plate_nesting(prototype_trace))

@@ -9,11 +9,13 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
+from torch.distributions import constraints
 
 from pyro_implicit import KernelRatioELBO
 from pyro_implicit.elbo import kernel_kl, kernel_log_ratio
 from pyro_implicit.elbo.kernel_ratio import stein_identity_correction
 from pyro_implicit.kernels import RBFKernel
+from pyro_implicit.latent import completed_model
 
 
 def gaussian_kl_to_standard(loc, scale):
@@ -386,12 +388,14 @@ def test_prior_contrast_is_scaled_as_trace_elbo(guide_scale):
 
 def _masked_prior_model(how):
     # z ~ N(0, 1) in a plate of two, the first prior kept and the second masked (a flat
-    # prior, as Pyro writes one); "both" masks both
+    # prior, as Pyro writes one); "both" masks both, "flat" is Pyro's ImproperUniform
     keep = {"poutine": [True, False], "both": [False, False]}.get(how)
 
     def model():
         with pyro.plate("p", 2):
-            if how == "distribution":
+            if how == "flat":
+                pyro.sample("z", dist.ImproperUniform(constraints.real, (), ()))
+            elif how == "distribution":
                 pyro.sample("z", dist.Normal(0.0, 1.0).mask(torch.tensor([True, False])))
             else:
                 with pyro.poutine.mask(mask=torch.tensor(keep)):
@@ -400,17 +404,18 @@ def _masked_prior_model(how):
     return model
 
 
-@pytest.mark.parametrize("how", ["poutine", "distribution", "both"])
+@pytest.mark.parametrize("how", ["poutine", "distribution", "both", "flat"])
 def test_prior_contrast_of_a_masked_prior_is_trace_elbos(how):
     # The prior's draws ignore its mask, the model's density does not: the kernel's KL to
     # the unmasked prior is corrected exactly. Trace_ELBO's gradients of -ELBO for q =
     # N(m, s^2) per coordinate: m and -1 + s^2 in (loc, log s) where the prior is kept,
     # 0 and -1 where it is masked (AutoNormal's unconstrained scale is softplus^-1(s):
     # times 1 - exp(-s)); the kernel's KL alone gave the kept ones' values to both
-    # coordinates (0.50 and 0.00 at m = 0.5, s = 1).
+    # coordinates (0.50 and 0.00 at m = 0.5, s = 1). A flat prior draws from its own
+    # noise, N(0, 1) here: the same correction.
     m, s = 0.5, 1.0
     model = _masked_prior_model(how)
-    guide = AutoNormal(model, init_scale=s)
+    guide = AutoNormal(completed_model(model), init_scale=s)  # Pyro's cannot draw flat
     guide()
     with torch.no_grad():
         guide.locs.z.fill_(m)
@@ -420,7 +425,7 @@ def test_prior_contrast_of_a_masked_prior_is_trace_elbos(how):
     params = [pyro.param("AutoNormal.locs.z"), pyro.param("AutoNormal.scales.z").unconstrained()]
     grads = [torch.autograd.grad(elbo.differentiable_loss(model, guide), params) for _ in range(5)]
     loc_grad, scale_grad = (sum(g[i] for g in grads) / 5 for i in range(2))
-    kept = torch.tensor([how != "both", False], dtype=torch.float64)
+    kept = torch.tensor([how not in ("both", "flat"), False], dtype=torch.float64)
     assert torch.allclose(loc_grad, m * kept, atol=0.15), loc_grad
     softplus_slope = 1.0 - math.exp(-s)
     expected = (-1.0 + s**2 * kept) * softplus_slope

@@ -51,8 +51,7 @@ from ..latent import (
     Preconditioner,
     PreconditionerWarning,
     check_precondition,
-    complete_obs_mask,
-    improper_priors_named,
+    completed_model,
     no_latent_sites_error,
     plate_nesting,
 )
@@ -372,7 +371,7 @@ def compare(
         "diagnostics": (diagnostics, True),
     }
     kwargs = _model_keywords(model, kwargs, model_kwargs, options)
-    model = complete_obs_mask(model)  # every row, Pyro's and NUTS's too, sees one model
+    model = completed_model(model)  # every row, Pyro's and NUTS's too, sees one model
     for name, value, least in (("num_steps", num_steps, 1), ("num_samples", num_samples, 2)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             raise ValueError(f"need an integer {name} >= {least}, got {value!r}")
@@ -384,8 +383,7 @@ def compare(
     # one prior run tells the latent shapes, the plate nesting and the model's parameters,
     # and refuses discrete latents and NaN data before anything runs (NUTS takes seconds to
     # minutes); a model that mixes particles under a plate is refused here too
-    with improper_priors_named("compare"):
-        trace = prior_trace(model, args, kwargs)
+    trace = prior_trace(model, args, kwargs)
     check_trace_continuous(trace)
     check_observed_finite(trace)
     shapes = latent_shapes_of(trace)

@@ -25,8 +25,7 @@ from ..latent import (
     check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_trace_continuous,
-    complete_obs_mask,
-    improper_priors_named,
+    completed_model,
 )
 from ..progress import refresh_intervals
 
@@ -239,14 +238,13 @@ def run_nuts(
         raise ValueError(f"num_samples must be at least 4 (split R-hat), got {num_samples}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
-    model = complete_obs_mask(model)  # obs_mask's unused entries: proper, not flat
+    model = completed_model(model)  # obs_mask proper, flat priors drawable
     nuts_kwargs = dict(nuts_kwargs or {})
     nuts_kwargs.setdefault("jit_compile", False)
     if max_plate_nesting is not None:
         nuts_kwargs["max_plate_nesting"] = max_plate_nesting
     seeds = _chain_seeds(seed, num_chains)
-    with improper_priors_named("NUTS"):
-        space = _full_data_space(model, args, kwargs, max_plate_nesting)
+    space = _full_data_space(model, args, kwargs, max_plate_nesting)
 
     start = time.perf_counter()
     rng_state = pyro.util.get_rng_state()

@@ -41,7 +41,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from ..contract import SAMPLE, check_guide_site
 from ..errors import DivergenceError, ModelError, RunawayWarning, VectorizationError
 from ..guides.base import implicit_site_info, requested_by_loss
-from ..latent import LatentSpace, complete_obs_mask
+from ..latent import LatentSpace, completed_model
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
 from .checks import (  # noqa: F401
@@ -403,7 +403,7 @@ class ImplicitELBO(ELBO):
     def _checked_loss_and_surrogate(self, model, guide, args, kwargs):
         """:meth:`_loss_and_surrogate`, stopped with a :class:`DivergenceError` when the
         loss is not finite or a draw has exploded (implemented once for every loss)."""
-        model = self._obs_mask_completed(model)
+        model = self._completed(model)
         with self._requests(), self._plate_collisions_named():
             loss, surrogate = self._loss_and_surrogate(model, guide, args, kwargs)
         self._check_divergence(loss, guide)
@@ -462,13 +462,13 @@ class ImplicitELBO(ELBO):
                 "it guessed"
             ) from e
 
-    def _obs_mask_completed(self, model):
-        """:func:`~pyro_implicit.latent.complete_obs_mask` of ``model``, one wrapper per
+    def _completed(self, model):
+        """:func:`~pyro_implicit.latent.completed_model` of ``model``, one wrapper per
         model, so that what is keyed on the model (the vectorisation check, the traced
         graphs) sees one object from step to step."""
         cached = getattr(self, "_completed_model", None)
         if cached is None or cached.model is not model:
-            cached = self._completed_model = complete_obs_mask(model)
+            cached = self._completed_model = completed_model(model)
         return cached
 
     def _check_divergence(self, loss, guide=None):

@@ -40,7 +40,13 @@ from ..contract import SAMPLE
 from ..errors import RunawayWarning, UnsupportedPairError
 from ..guides.base import implicit_site_info
 from ..kernels import RBFKernel, kernel_and_derivative, solve_kernel_system, squared_distances
-from ..latent import LatentSpace, preconditioner_of, subsampled_plate_of, wraps_distribution
+from ..latent import (
+    DrawableFlatPrior,
+    LatentSpace,
+    preconditioner_of,
+    subsampled_plate_of,
+    wraps_distribution,
+)
 from .base import (
     RUNAWAY_DRIFT,
     ImplicitELBO,
@@ -623,7 +629,7 @@ class KernelRatioELBO(ImplicitELBO):
             prior_scale = _common_scale([latents[name] for name in group])
             guide_scale = _common_scale([guide_trace.nodes[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
-            if ac or prior_scale != guide_scale or any(_masked(latents[k]) for k in group):
+            if ac or prior_scale != guide_scale or any(_drawn_apart(latents[k]) for k in group):
                 # E_q[log p(z)] per draw, the prior's log-density without its scale
                 log_prior = sum(
                     particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
@@ -639,12 +645,12 @@ class KernelRatioELBO(ImplicitELBO):
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
                 del info["log_ratio_gradient"]  # diagnostics hold numbers
                 group_term = -guide_scale * kl
-                if any(_masked(latents[name]) for name in group):
-                    # the draws come from the prior without its mask, whose density the
-                    # model scores as 0 where masked: the kernel estimates KL(q || r) for
-                    # that unmasked r, and E_q[scale * log p - log r] enters exactly
+                if any(_drawn_apart(latents[name]) for name in group):
+                    # the draws come from r, the prior without its mask (a flat prior's
+                    # noise), whose density the model scores as 0: the kernel estimates
+                    # KL(q || r), and E_q[scale * log p - log r] enters exactly
                     log_r = sum(
-                        particle_sum(_unmasked_log_prob(latents[name]), n, mpn) for name in group
+                        particle_sum(_drawing_log_prob(latents[name]), n, mpn) for name in group
                     )
                     group_term = group_term + (
                         prior_scale * log_prior.mean() - guide_scale * log_r.mean()
@@ -1100,38 +1106,46 @@ def _unscaled_log_prob(site):
     return scale_and_mask(site["unscaled_log_prob"], mask=site["mask"])
 
 
-def _masked(site):
-    """Whether the model masks a latent site's prior (``poutine.mask`` or a
-    ``MaskedDistribution``, e.g. ``.mask(False)``, the flat prior of a Pyro model)."""
-    return site["mask"] is not None or wraps_distribution(site["fn"], MaskedDistribution)
+def _drawn_apart(site):
+    """Whether a latent site's prior draws come from another distribution than the model's
+    density of it: a masked prior (``poutine.mask``, a ``MaskedDistribution`` such as
+    ``.mask(False)``) draws from its base, a flat prior from its
+    :class:`~pyro_implicit.latent.DrawableFlatPrior` noise."""
+    return (
+        site["mask"] is not None
+        or wraps_distribution(site["fn"], MaskedDistribution)
+        or wraps_distribution(site["fn"], DrawableFlatPrior)
+    )
 
 
-def _without_masks(fn):
-    """``fn`` with every ``MaskedDistribution`` in its chain of wrappers taken out."""
+def _drawing(fn):
+    """The distribution ``fn``'s draws come from: every ``MaskedDistribution`` in its chain
+    of wrappers taken out, a flat prior's noise in place of its zero density."""
     if isinstance(fn, MaskedDistribution):
-        return _without_masks(fn.base_dist)
+        return _drawing(fn.base_dist)
+    if isinstance(fn, DrawableFlatPrior):
+        return fn.noise_distribution()
     if isinstance(fn, torch.distributions.Independent):
-        return torch.distributions.Independent(
-            _without_masks(fn.base_dist), fn.reinterpreted_batch_ndims
-        )
+        return torch.distributions.Independent(_drawing(fn.base_dist), fn.reinterpreted_batch_ndims)
     if isinstance(fn, ExpandedDistribution):
-        return _without_masks(fn.base_dist).expand(fn.batch_shape)
+        return _drawing(fn.base_dist).expand(fn.batch_shape)
     return fn
 
 
-def _unmasked_log_prob(site):
+def _drawing_log_prob(site):
     """The log-density, without mask or scale, of the distribution a latent site's prior
-    draws come from (:func:`~pyro_implicit.elbo.traces.prior_particles`: a masked prior
-    still draws from its base)."""
-    unmasked = _without_masks(site["fn"])
-    if wraps_distribution(unmasked, MaskedDistribution):
+    draws come from (:func:`~pyro_implicit.elbo.traces.prior_particles`)."""
+    drawing = _drawing(site["fn"])
+    if wraps_distribution(drawing, MaskedDistribution) or wraps_distribution(
+        drawing, DrawableFlatPrior
+    ):
         raise UnsupportedPairError(
-            f"latent site {site['name']!r}: its prior {site['fn']} holds a mask inside a "
-            "wrapper this loss cannot see through, so the prior contrast cannot score its "
-            "draws; use KernelRatioELBO(adaptive_contrast='full'), or poutine.mask around "
-            "the site instead of the distribution's .mask()"
+            f"latent site {site['name']!r}: its prior {site['fn']} holds a mask or a flat "
+            "prior inside a wrapper this loss cannot see through, so the prior contrast "
+            "cannot score its draws; use KernelRatioELBO(adaptive_contrast='full'), or "
+            "poutine.mask around the site instead of the distribution's .mask()"
         )
-    return unmasked.log_prob(site["value"])
+    return drawing.log_prob(site["value"])
 
 
 def _refuse_subsampled_latents(sites):

@@ -50,7 +50,7 @@ from ..kernels import (
     solve_kernel_system,
     squared_distances,
 )
-from ..latent import improper_priors_named, support_transform
+from ..latent import support_transform
 from .kernel_ratio import KernelRatioELBO
 
 __all__ = [
@@ -191,7 +191,7 @@ def _latent_size(model, args, kwargs):
     one's own may meet."""
     state = get_rng_state()
     try:
-        with poutine.block(), torch.no_grad(), improper_priors_named("SteinScoreELBO"):
+        with poutine.block(), torch.no_grad():
             trace = poutine.trace(model).get_trace(*args, **kwargs)
     finally:
         set_rng_state(state)

@@ -41,7 +41,7 @@ from ..latent import (
     check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_precondition,
-    improper_priors_named,
+    completed_model,
     prototype_errors_named,
     resolve_precondition,
 )
@@ -203,15 +203,14 @@ class ImplicitAutoGuide(AutoContinuous):
         # in a tuple: a Preconditioner given here is not a submodule (the one in use is)
         self._precondition_arg = (precondition,)
         self.num_quantile_samples = check_count("num_quantile_samples", num_quantile_samples)
-        super().__init__(model, init_loc_fn=init_loc_fn)
+        # the model as the losses run it: its flat priors drawable (the prototype's
+        # starting point), its obs_mask sites proper
+        super().__init__(completed_model(model), init_loc_fn=init_loc_fn)
 
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args, **kwargs):
         try:
-            with (
-                improper_priors_named(type(self).__name__),
-                prototype_errors_named(self, type(self).__name__),
-            ):
+            with prototype_errors_named(self, type(self).__name__):
                 super()._setup_prototype(*args, **kwargs)
         except NotImplementedError as e:
             if "sequential" not in str(e):

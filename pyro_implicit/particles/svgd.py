@@ -69,8 +69,7 @@ from ..latent import (
     check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_trace_shapes,
-    complete_obs_mask,
-    improper_priors_named,
+    completed_model,
     plate_nesting,
     prototype_errors_named,
     resolve_precondition,
@@ -391,7 +390,7 @@ class ParticleInference:
             )
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.model = complete_obs_mask(model)
+        self.model = completed_model(model)
         self.optim = optim
         self.num_particles = int(num_particles)
         self.max_plate_nesting = None if max_plate_nesting is None else int(max_plate_nesting)
@@ -487,11 +486,10 @@ class ParticleInference:
         searching = self._precondition is True
         # a MAP search starts better from prior medians than from one prior draw
         proto = _Prototype(self.model, init_to_median if searching else init_to_sample)
-        with improper_priors_named(who):
-            if self.max_plate_nesting is None:
-                self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
-            with torch.no_grad(), prototype_errors_named(proto, who):
-                proto._setup_prototype(*args, **kwargs)
+        if self.max_plate_nesting is None:
+            self.max_plate_nesting = _guess_max_plate_nesting(self.model, args, kwargs)
+        with torch.no_grad(), prototype_errors_named(proto, who):
+            proto._setup_prototype(*args, **kwargs)
         check_no_subsampled_local_latents(proto.prototype_trace, type(self).__name__)
         check_no_point_mass_latents(proto.prototype_trace, type(self).__name__)
         check_fixed_supports(self.model, proto.prototype_trace, args, kwargs, type(self).__name__)
