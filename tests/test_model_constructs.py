@@ -268,6 +268,20 @@ def test_every_method_starts_on_a_flat_prior(what):
         _first_step(what, _flat, Y, COUNTS)
 
 
+def test_draws_of_a_flat_prior_model_go_through_the_guides_model():
+    """Pyro's ``Predictive`` runs the model from its prior first, which a flat prior
+    cannot; the guide's ``model`` (the one the fits run) can, and so does the export."""
+    guide = ImplicitGuide(_flat)
+    SVI(_flat, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO()).step(Y, COUNTS)
+    predicted = Predictive(guide.model, guide=guide, num_samples=5)(Y, COUNTS)
+    assert predicted["obs"].shape == (5, len(Y)) and predicted["k"].shape == (5, len(COUNTS))
+    pytest.importorskip("arviz")
+    from pyro_implicit.diagnostics.arviz import to_inference_data
+
+    data = to_inference_data(_flat, (Y, COUNTS), source=guide, num_samples=20)
+    assert data.posterior["rate"].shape[-1] == 20 and (data.posterior["rate"] > 0).all()
+
+
 @pytest.mark.parametrize(
     "support, batch, event",
     [

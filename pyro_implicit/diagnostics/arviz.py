@@ -51,7 +51,7 @@ from pyro.poutine.util import site_is_subsample
 
 from .. import __version__
 from ..errors import check_count
-from ..latent import Preconditioner
+from ..latent import Preconditioner, completed_model
 from .draws import guess_max_plate_nesting, latent_shapes, posterior_draws
 from .importance import has_log_density, psis_diagnostic
 from .nuts import NUTSResult
@@ -254,6 +254,7 @@ def predictive_samples(
     :rtype: dict
     """
     args, kwargs = _model_arguments(args, kwargs, "predictive_samples")
+    model = completed_model(model)  # flat priors drawable, as in the fits
     prototype = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
@@ -388,6 +389,7 @@ def to_inference_data(
     if source is None:
         raise TypeError("to_inference_data needs a source: an MCMC, guide, particles or draws")
     check_count("num_samples", num_samples)
+    model = completed_model(model)  # flat priors drawable, as in the fits
     prototype = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
