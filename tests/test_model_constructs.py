@@ -76,20 +76,27 @@ def test_obs_mask_unused_entries_get_the_models_density_and_nothing_else_changes
     assert completed_model(completed_model(plain)).model is plain
 
 
+def _fitted_draws(method, model, *args):
+    """After 800 steps of ``Adam(1e-2)``: ``WeightSpaceSVGD``'s particles (``"wsvgd"``), or
+    4000 draws of an ``ImplicitGuide`` trained by ``KernelRatioELBO`` (``"kivi"``) or
+    ``SteinScoreELBO`` (``"stein"``)."""
+    if method == "wsvgd":
+        svgd = WeightSpaceSVGD(model, pyro.optim.Adam({"lr": 1e-2}), max_plate_nesting=1)
+        for _ in range(800):
+            svgd.step(*args)
+        return svgd.get_named_particles()
+    guide = ImplicitGuide(model)
+    loss = KernelRatioELBO() if method == "kivi" else SteinScoreELBO()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss)
+    for _ in range(800):
+        svi.step(*args)
+    return guide.sample_posterior(4000)
+
+
 @pytest.mark.parametrize("method", ["kivi", "wsvgd"])
 def test_an_obs_mask_model_is_fitted_to_its_exact_posterior(method):
     mean, sd, missing_sd = _exact()
-    if method == "wsvgd":
-        svgd = WeightSpaceSVGD(masked_model, pyro.optim.Adam({"lr": 1e-2}), max_plate_nesting=1)
-        for _ in range(800):
-            svgd.step(Y, OBSERVED)
-        draws = svgd.get_named_particles()
-    else:
-        guide = ImplicitGuide(masked_model)
-        svi = SVI(masked_model, guide, pyro.optim.Adam({"lr": 1e-2}), KernelRatioELBO())
-        for _ in range(800):
-            svi.step(Y, OBSERVED)
-        draws = guide.sample_posterior(4000)
+    draws = _fitted_draws(method, masked_model, Y, OBSERVED)
     mu = draws["mu"].flatten()
     missing = draws["y_unobserved"].reshape(len(mu), -1)[:, ~OBSERVED]
     assert abs(mu.mean().item() - mean) < 0.2 * sd
@@ -231,17 +238,8 @@ def test_a_flat_prior_is_fitted_to_its_exact_posterior(what):
     a refusal)."""
     if what == "nuts":
         draws = run_nuts(_flat, Y, COUNTS, num_samples=500, warmup_steps=200, num_chains=1).samples
-    elif what == "wsvgd":
-        svgd = WeightSpaceSVGD(_flat, pyro.optim.Adam({"lr": 1e-2}), max_plate_nesting=1)
-        for _ in range(800):
-            svgd.step(Y, COUNTS)
-        draws = svgd.get_named_particles()
     else:
-        guide = ImplicitGuide(_flat)
-        svi = SVI(_flat, guide, pyro.optim.Adam({"lr": 1e-2}), SteinScoreELBO())
-        for _ in range(800):
-            svi.step(Y, COUNTS)
-        draws = guide.sample_posterior(4000)
+        draws = _fitted_draws(what, _flat, Y, COUNTS)
     rate = dist.Gamma(COUNTS.sum() + 1, float(len(COUNTS)))
     exact = {"mu": (Y.mean(), len(Y) ** -0.5), "rate": (rate.mean, rate.stddev)}
     for name, (mean, sd) in exact.items():
