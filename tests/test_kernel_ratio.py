@@ -359,7 +359,8 @@ def test_adaptive_contrast_is_scaled_as_trace_elbo(beta, guide_scale):
         max_plate_nesting=0,
         exact_sites=(),
     )
-    losses = [elbo.loss(model, _scaled_guide(guide, guide_scale)) for _ in range(3)]
+    scaled = _scaled_guide(guide, guide_scale)  # one object: the loss knows it by id
+    losses = [elbo.loss(model, scaled) for _ in range(3)]
     assert sum(losses) / 3 == pytest.approx(_pyro_loss(m, s, beta, guide_scale), abs=0.05)
 
 
@@ -377,44 +378,56 @@ def test_prior_contrast_is_scaled_as_trace_elbo(guide_scale):
         num_particles=1000, adaptive_contrast=False, max_plate_nesting=0, exact_sites=()
     )
     log_scale = pyro.param("AutoNormal.scales.z").unconstrained()
+    # one wrapper for every call: a loss checks a (model, guide) pair once, known by id,
+    # and a fresh wrapper per call may or may not reuse a freed one's id, which changed
+    # the draws (this test passed or failed by the memory layout)
+    scaled = _scaled_guide(guide, scale)
     grads = [
-        torch.autograd.grad(
-            elbo.differentiable_loss(model, _scaled_guide(guide, scale)), log_scale
-        )[0]
-        for _ in range(5)
+        torch.autograd.grad(elbo.differentiable_loss(model, scaled), log_scale)[0] for _ in range(5)
     ]
     assert float(sum(grads)) / 5 == pytest.approx(-scale + beta * s**2, abs=0.1)
 
 
-def _masked_prior_model(how):
-    # z ~ N(0, 1) in a plate of two, the first prior kept and the second masked (a flat
-    # prior, as Pyro writes one); "both" masks both, "flat" is Pyro's ImproperUniform
-    keep = {"poutine": [True, False], "both": [False, False]}.get(how)
+#: the weight each case's model gives the prior of each of two coordinates
+PRIOR_WEIGHTS = {
+    "poutine": [1.0, 0.0],  # the second masked by poutine.mask
+    "distribution": [1.0, 0.0],  # by .mask(tensor)
+    "both": [0.0, 0.0],  # both masked
+    "flat": [0.0, 0.0],  # Pyro's ImproperUniform
+    "scaled": [1.0, 0.25],  # poutine.scale by a tensor
+}
+
+
+def _weighted_prior_model(how):
+    # z ~ N(0, 1) in a plate of two, its prior weighted by PRIOR_WEIGHTS[how]
+    weights = torch.tensor(PRIOR_WEIGHTS[how])
 
     def model():
         with pyro.plate("p", 2):
             if how == "flat":
                 pyro.sample("z", dist.ImproperUniform(constraints.real, (), ()))
             elif how == "distribution":
-                pyro.sample("z", dist.Normal(0.0, 1.0).mask(torch.tensor([True, False])))
+                pyro.sample("z", dist.Normal(0.0, 1.0).mask(weights > 0))
+            elif how == "scaled":
+                with pyro.poutine.scale(scale=weights):
+                    pyro.sample("z", dist.Normal(0.0, 1.0))
             else:
-                with pyro.poutine.mask(mask=torch.tensor(keep)):
+                with pyro.poutine.mask(mask=weights > 0):
                     pyro.sample("z", dist.Normal(0.0, 1.0))
 
     return model
 
 
-@pytest.mark.parametrize("how", ["poutine", "distribution", "both", "flat"])
-def test_prior_contrast_of_a_masked_prior_is_trace_elbos(how):
-    # The prior's draws ignore its mask, the model's density does not: the kernel's KL to
-    # the unmasked prior is corrected exactly. Trace_ELBO's gradients of -ELBO for q =
-    # N(m, s^2) per coordinate: m and -1 + s^2 in (loc, log s) where the prior is kept,
-    # 0 and -1 where it is masked (AutoNormal's unconstrained scale is softplus^-1(s):
-    # times 1 - exp(-s)); the kernel's KL alone gave the kept ones' values to both
-    # coordinates (0.50 and 0.00 at m = 0.5, s = 1). A flat prior draws from its own
-    # noise, N(0, 1) here: the same correction.
+@pytest.mark.parametrize("how", list(PRIOR_WEIGHTS))
+def test_prior_contrast_weights_each_element_as_trace_elbo(how):
+    # The prior's draws ignore its mask and scale (a flat prior draws N(0, 1) noise), the
+    # model's density does not: the kernel's KL to the draws' distribution is corrected
+    # exactly. Trace_ELBO's gradients of -ELBO for q = N(m, s^2) per coordinate, the prior
+    # weighted by w: w m in the loc and -1 + w s^2 in log s (AutoNormal's unconstrained
+    # scale is softplus^-1(s): times 1 - exp(-s)). The kernel's KL alone gave every
+    # coordinate w = 1 (0.50 and 0.00 at m = 0.5, s = 1); a tensor scale raised.
     m, s = 0.5, 1.0
-    model = _masked_prior_model(how)
+    model = _weighted_prior_model(how)
     guide = AutoNormal(completed_model(model), init_scale=s)  # Pyro's cannot draw flat
     guide()
     with torch.no_grad():
@@ -425,11 +438,32 @@ def test_prior_contrast_of_a_masked_prior_is_trace_elbos(how):
     params = [pyro.param("AutoNormal.locs.z"), pyro.param("AutoNormal.scales.z").unconstrained()]
     grads = [torch.autograd.grad(elbo.differentiable_loss(model, guide), params) for _ in range(5)]
     loc_grad, scale_grad = (sum(g[i] for g in grads) / 5 for i in range(2))
-    kept = torch.tensor([how not in ("both", "flat"), False], dtype=torch.float64)
-    assert torch.allclose(loc_grad, m * kept, atol=0.15), loc_grad
+    weights = torch.tensor(PRIOR_WEIGHTS[how], dtype=torch.float64)
+    assert torch.allclose(loc_grad, m * weights, atol=0.15), loc_grad
     softplus_slope = 1.0 - math.exp(-s)
-    expected = (-1.0 + s**2 * kept) * softplus_slope
+    expected = (-1.0 + s**2 * weights) * softplus_slope
     assert torch.allclose(scale_grad, expected, atol=0.15), scale_grad
+
+
+def test_adaptive_contrast_weights_each_element_as_trace_elbo():
+    # a tensor poutine.scale on the prior: Trace_ELBO's -ELBO of q = N(m, s^2) per
+    # coordinate is sum_i [-H(q_i) + w_i E_q[-log N(z_i; 0, 1)]] (a tensor scale raised)
+    m, s = 1.0, 0.5
+    model = _weighted_prior_model("scaled")
+    guide = AutoNormal(model, init_scale=s)
+    guide()
+    with torch.no_grad():
+        guide.locs.z.fill_(m)
+    elbo = KernelRatioELBO(
+        num_particles=2000,
+        adaptive_contrast="diag",
+        regularizer=1e-2,
+        max_plate_nesting=1,
+        exact_sites=(),
+    )
+    losses = [elbo.loss(model, guide) for _ in range(3)]
+    exact = sum(_pyro_loss(m, s, w, 1.0) for w in PRIOR_WEIGHTS["scaled"])
+    assert sum(losses) / 3 == pytest.approx(exact, abs=0.08)
 
 
 def test_exact_sites_accept_a_pyro_autoguide():

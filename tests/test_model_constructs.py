@@ -521,6 +521,30 @@ def test_a_loss_scores_the_model_it_is_given_not_the_guides(method):
     assert 0.85 < draws.std() / sd < 1.15
 
 
+ELEMENT_SCALE = torch.tensor([1.0, 0.25])
+
+
+def _element_scaled(y):
+    # two coordinates, the second's prior tempered by poutine.scale; one point each
+    with pyro.plate("p", 2):
+        with poutine.scale(scale=ELEMENT_SCALE):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(z, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("method", ["kivi", "stein"])
+def test_a_prior_scaled_element_by_element_is_fitted(method):
+    """A tensor ``poutine.scale`` on a latent's prior weights each element, as in
+    ``Trace_ELBO``; these two losses read one number and raised ("a Tensor with 2
+    elements cannot be converted to Scalar")."""
+    y = torch.tensor([1.0, 2.0])
+    draws = _fitted_draws(method, _element_scaled, y)["z"].reshape(-1, 2)
+    precision = ELEMENT_SCALE + 1.0
+    mean, sd = y / precision, precision**-0.5
+    assert ((draws.mean(0) - mean).abs() < 0.2 * sd).all()
+    assert ((draws.std(0) / sd - 1.0).abs() < 0.15).all()
+
+
 def test_a_guide_restored_by_torch_load_trains_on(tmp_path):
     """A pickled guide drops its model (Pyro's autoguides do); the loss scores the model it
     is given, so the restored guide trains on (it raised a TypeError from the space)."""

@@ -624,41 +624,32 @@ class KernelRatioELBO(ImplicitELBO):
         else:
             groups = self._groups(guide, names, links) if names else []
         for group in groups:
-            # Pyro's meaning (Trace_ELBO's): the model's scale weights the prior's
-            # log-density, the guide's weights log q, the constraint Jacobians included
-            prior_scale = _common_scale([latents[name] for name in group])
+            # Pyro's meaning (Trace_ELBO's): the model's scale and mask weight the prior's
+            # log-density, element by element; the guide's scale weights log q, the
+            # constraint Jacobians included, and is one number for the group's joint q
+            priors = [latents[name] for name in group]
             guide_scale = _common_scale([guide_trace.nodes[name] for name in group])
             q = torch.cat([q_parts[name] for name in group], dim=-1)
-            if ac or prior_scale != guide_scale or any(_drawn_apart(latents[k]) for k in group):
-                # E_q[log p(z)] per draw, the prior's log-density without its scale
-                log_prior = sum(
-                    particle_sum(_unscaled_log_prob(latents[name]), n, mpn) for name in group
-                )
+            apart = any(_drawn_apart(site) or _scaled_apart(site, guide_scale) for site in priors)
+            if ac or apart:
+                # E_q[log p(z)] per draw, as the model weights it
+                log_prior = sum(particle_sum(site["log_prob"], n, mpn) for site in priors)
             if ac:
                 log_jacobian = sum(log_jac[name] for name in group)
                 contrast_term, kl, info = self._contrast_term(ac, preconditioners, group, q)
-                group_term = prior_scale * log_prior.mean() + guide_scale * (
-                    log_jacobian.mean() + contrast_term
-                )
+                group_term = log_prior.mean() + guide_scale * (log_jacobian.mean() + contrast_term)
             else:
                 p = torch.cat([p_parts[name] for name in group], dim=-1).to(q.dtype)
                 kl, info = kernel_kl(q, p, self.regularizer, self.clip, self.kernel)
                 del info["log_ratio_gradient"]  # diagnostics hold numbers
                 group_term = -guide_scale * kl
-                if any(_drawn_apart(latents[name]) for name in group):
-                    # the draws come from r, the prior without its mask (a flat prior's
-                    # noise), whose density the model scores as 0: the kernel estimates
-                    # KL(q || r), and E_q[scale * log p - log r] enters exactly
-                    log_r = sum(
-                        particle_sum(_drawing_log_prob(latents[name]), n, mpn) for name in group
-                    )
-                    group_term = group_term + (
-                        prior_scale * log_prior.mean() - guide_scale * log_r.mean()
-                    )
-                elif prior_scale != guide_scale:
-                    # -KL is E_q[log p] + H[q]: the kernel estimate carries the prior at the
-                    # guide's weight, the rest of the prior's weight enters exactly
-                    group_term = group_term + (prior_scale - guide_scale) * log_prior.mean()
+                if apart:
+                    # -KL(q || r) is E_q[log r] + H[q], r the distribution the prior's draws
+                    # come from (the prior without its mask or scale, a flat prior's
+                    # noise): at the guide's weight the kernel estimate carries r, and
+                    # E_q[log p - guide_scale * log r] enters exactly
+                    log_r = sum(particle_sum(_drawing_log_prob(site), n, mpn) for site in priors)
+                    group_term = group_term + (log_prior.mean() - guide_scale * log_r.mean())
             latent_term = latent_term + group_term
             info["kl"] = kl.item()
             self.diagnostics["+".join(group)] = info
@@ -759,7 +750,7 @@ class KernelRatioELBO(ImplicitELBO):
             or len(sites) != 1
             or implicit_site_info(sites[0])["guide"] is not guide
             or list(guide._unconstrained_shapes) != groups[0]
-            or _common_scale([latents[name] for name in names]) != 1.0
+            or any(_scaled_apart(latents[name], 1.0) for name in names)
             or _common_scale([guide_trace.nodes[name] for name in names]) != 1.0
             or self._model_has_params  # read from this step's model trace
         ):
@@ -1087,23 +1078,27 @@ def _whiten(contrast, q):
 
 
 def _common_scale(sites):
-    scales = {
-        float(s["scale"]) if not torch.is_tensor(s["scale"]) else s["scale"].item() for s in sites
-    }
+    """The one ``poutine.scale`` of the guide's sites of a group (q's joint log-density
+    has one weight)."""
+    scales = set()
+    for site in sites:
+        scale = torch.as_tensor(site["scale"])
+        scales.update(scale.unique().tolist())
     if len(scales) != 1:
-        raise ValueError(
+        raise UnsupportedPairError(
             "latent sites "
             + ", ".join(repr(s["name"]) for s in sites)
-            + f" share one KL estimate but have different scale factors {sorted(scales)}: "
-            "KernelRatioELBO estimates one KL for global latents; local latents inside a "
-            "subsampled plate (scaled by size / subsample_size) are not supported"
+            + f" share one KL estimate but the guide weights them by different scales "
+            f"{sorted(scales)}: the estimate is of their joint q, which has one weight. "
+            "Scale the guide's sites alike; the model's may differ (its prior is weighted "
+            "element by element)"
         )
     return scales.pop()
 
 
-def _unscaled_log_prob(site):
-    """A site's log-density with its mask but without its ``poutine.scale``."""
-    return scale_and_mask(site["unscaled_log_prob"], mask=site["mask"])
+def _scaled_apart(site, scale):
+    """Whether the model weights a latent site's prior by other than ``scale`` anywhere."""
+    return bool((torch.as_tensor(site["scale"]) != scale).any())
 
 
 def _drawn_apart(site):
