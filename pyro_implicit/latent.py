@@ -182,9 +182,9 @@ def subsampled_plate_of(site):
 
 
 def wraps_distribution(fn, kind):
-    """Whether ``fn`` is a distribution of type ``kind`` or wraps one (``Independent``,
-    ``MaskedDistribution``, ``ExpandedDistribution``, a transformed one: ``base_dist``
-    down the chain)."""
+    """Whether ``fn`` is a distribution of type ``kind`` (a type or a tuple of types, as
+    ``isinstance`` takes) or wraps one (``Independent``, ``MaskedDistribution``,
+    ``ExpandedDistribution``, a transformed one: ``base_dist`` down the chain)."""
     while not isinstance(fn, kind) and hasattr(fn, "base_dist"):
         fn = fn.base_dist
     return isinstance(fn, kind)

@@ -1101,16 +1101,16 @@ def _scaled_apart(site, scale):
     return bool((torch.as_tensor(site["scale"]) != scale).any())
 
 
+#: priors whose draws come from another distribution than their density: a
+#: ``MaskedDistribution`` (e.g. ``.mask(False)``) draws from its base, a flat prior from
+#: its :class:`~pyro_implicit.latent.DrawableFlatPrior` noise
+DRAWN_APART = (MaskedDistribution, DrawableFlatPrior)
+
+
 def _drawn_apart(site):
     """Whether a latent site's prior draws come from another distribution than the model's
-    density of it: a masked prior (``poutine.mask``, a ``MaskedDistribution`` such as
-    ``.mask(False)``) draws from its base, a flat prior from its
-    :class:`~pyro_implicit.latent.DrawableFlatPrior` noise."""
-    return (
-        site["mask"] is not None
-        or wraps_distribution(site["fn"], MaskedDistribution)
-        or wraps_distribution(site["fn"], DrawableFlatPrior)
-    )
+    density of it: masked by ``poutine.mask``, or one of :data:`DRAWN_APART`."""
+    return site["mask"] is not None or wraps_distribution(site["fn"], DRAWN_APART)
 
 
 def _drawing(fn):
@@ -1131,9 +1131,7 @@ def _drawing_log_prob(site):
     """The log-density, without mask or scale, of the distribution a latent site's prior
     draws come from (:func:`~pyro_implicit.elbo.traces.prior_particles`)."""
     drawing = _drawing(site["fn"])
-    if wraps_distribution(drawing, MaskedDistribution) or wraps_distribution(
-        drawing, DrawableFlatPrior
-    ):
+    if wraps_distribution(drawing, DRAWN_APART):
         raise UnsupportedPairError(
             f"latent site {site['name']!r}: its prior {site['fn']} holds a mask or a flat "
             "prior inside a wrapper this loss cannot see through, so the prior contrast "
