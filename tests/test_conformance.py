@@ -404,6 +404,23 @@ def test_same_seed_same_losses(method):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("method", SVI_METHODS, ids=str)
+def test_the_vectorisation_check_leaves_the_draws_as_they_were(method):
+    """The losses' check on a pair's first step draws from the random streams and puts
+    them back: a fit draws the same with the check as without it, so a guide wrapped anew
+    each step (checked again under each new id) draws the same whether Python reuses an id
+    or not."""
+    kind = method.kinds[0]
+    runs = []
+    for check in (True, False):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        fit = Fit(method, MODELS[kind], _data()[kind])
+        fit.engine.loss_and_grads.__self__.check_vectorization = check
+        runs.append([fit.step() for _ in range(3)])
+    assert runs[0] == runs[1]
+
+
 # ----------------------------------------------------------------------------- round trips
 def _mixed(y):
     # a positive, a simplex and a Cholesky-factor site in one packed latent (D = 6)

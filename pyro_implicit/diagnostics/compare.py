@@ -402,7 +402,9 @@ def compare(
         )
 
     _warm_up(model, args, kwargs, mpn)
-    shared, search = _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress)
+    shared, search = _shared_preconditioner(
+        precondition, specs, model, args, kwargs, mpn, progress, seed
+    )
     pyro.set_rng_seed(seed)
 
     # Draw from fitted objects first: clearing the param store for the fits below would
@@ -594,12 +596,13 @@ def _short(value):
     return f"tensor of shape {tuple(value.shape)}"
 
 
-def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress):
+def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progress, seed):
     """``(precondition, record)``: what the methods of the library are built with, and a
     record of the search (``None`` where none ran). ``precondition=True`` becomes the
     model's preconditioners, found here once per Gaussian-fit estimator the methods ask
     for (:attr:`~pyro_implicit.diagnostics.methods.Method.vi_estimator`) instead of once
-    per method, as ``{estimator: Preconditioner}``, and the record ``{estimator: {source,
+    per method, as ``{estimator: Preconditioner}`` (each search from the prior medians
+    drawn at ``seed``, as the KSD's coordinates are), and the record ``{estimator: {source,
     kind, seconds, peak_mb}}``; ``False`` and a given
     :class:`~pyro_implicit.latent.Preconditioner` pass through."""
     # checked here, before NUTS runs, not by the first fit after it
@@ -622,7 +625,7 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
         with PeakMemory() as memory:
             start = time.perf_counter()
             pre = model_preconditioner(
-                model, *args, max_plate_nesting=mpn, vi_estimator=estimator, **kwargs
+                model, *args, max_plate_nesting=mpn, vi_estimator=estimator, seed=seed, **kwargs
             )
             seconds = time.perf_counter() - start
         what = "none found" if pre.is_identity else f"{pre.source}, {pre.kind}"
@@ -668,7 +671,9 @@ def _add_diagnostics(model, args, kwargs, results, nuts, mpn, seed, shared=None)
                 # only coordinates: a fallback in the search still gives valid (if less
                 # even) ones, and the fits have warned about it already
                 warnings.simplefilter("ignore", PreconditionerWarning)
-                coordinates = model_preconditioner(model, *args, max_plate_nesting=mpn, **kwargs)
+                coordinates = model_preconditioner(
+                    model, *args, max_plate_nesting=mpn, seed=seed, **kwargs
+                )
 
         def ksd(draws):
             return stein_discrepancy(

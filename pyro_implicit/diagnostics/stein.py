@@ -38,6 +38,7 @@ References
 import dataclasses
 import math
 
+import pyro
 import torch
 
 from ..guides import ImplicitAutoGuide
@@ -161,17 +162,27 @@ def _draws_in_latent_space(model, source, args, kwargs, num_samples, max_plate_n
     return space, space.pack(draws), Preconditioner.identity()
 
 
-def model_preconditioner(model, *args, max_plate_nesting=None, vi_estimator="entropy", **kwargs):
+def model_preconditioner(
+    model, *args, max_plate_nesting=None, vi_estimator="entropy", seed=0, **kwargs
+):
     """The model's automatic preconditioner (:func:`~pyro_implicit.latent.find_preconditioner`
     from the prior medians, its Gaussian fit by ``vi_estimator``: the one the methods of
     the library find), to pass as ``preconditioner`` to several :func:`stein_discrepancy`
     calls so that their values are comparable.
 
+    :param int seed: seed of the prior draws whose medians start the search, so that a
+        model gets the same coordinates whatever ran before (the caller's random streams
+        are left as they were).
     :rtype: ~pyro_implicit.latent.Preconditioner
     """
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
-    space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
+    rng = pyro.util.get_rng_state()
+    try:
+        pyro.set_rng_seed(seed)
+        space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
+    finally:
+        pyro.util.set_rng_state(rng)
     return resolve_precondition(
         True, space, space.init_loc, args, kwargs, vi_estimator=vi_estimator
     )

@@ -39,7 +39,13 @@ from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 
 from ..contract import SAMPLE, check_guide_site
-from ..errors import DivergenceError, ModelError, RunawayWarning, VectorizationError
+from ..errors import (
+    DivergenceError,
+    ModelError,
+    PyroImplicitError,
+    RunawayWarning,
+    VectorizationError,
+)
 from ..guides.base import implicit_site_info, requested_by_loss
 from ..latent import LatentSpace, completed_model
 
@@ -275,10 +281,35 @@ class ImplicitELBO(ELBO):
         if self.max_plate_nesting == float("inf"):
             self._guess_max_plate_nesting(model, guide, args, kwargs)
         key = (id(model), id(guide))
-        if self.check_vectorization and key not in self._checked:
+        if not self.check_vectorization or key in self._checked:
+            return self._get_vectorized_trace(model, guide, args, kwargs)
+        # the check comes after the step's own traces (which build a new guide's weights)
+        # and leaves the random streams as they were: a fit draws the same with the check
+        # as without it, and a guide wrapped anew each step (checked again under each new
+        # id) the same whether an id is reused or not
+        try:
+            traces = self._get_vectorized_trace(model, guide, args, kwargs)
+        except Exception as error:
+            # a crash under the particle plate: where the model mixes particles, or its
+            # data hold NaN, the check names the site and the fix; otherwise the crash is
+            # the error
+            try:
+                self._check_vectorized(model, guide, args, kwargs)
+            except PyroImplicitError as named:
+                raise named from error
+            except Exception:
+                pass
+            raise
+        self._check_vectorized(model, guide, args, kwargs)
+        self._checked.add(key)
+        return traces
+
+    def _check_vectorized(self, model, guide, args, kwargs):
+        rng = pyro.util.get_rng_state()
+        try:
             check_vectorized_log_joint(model, guide, args, kwargs, self.max_plate_nesting)
-            self._checked.add(key)
-        return self._get_vectorized_trace(model, guide, args, kwargs)
+        finally:
+            pyro.util.set_rng_state(rng)
 
     def latent_sites(self, model_trace):
         """The model's latent sample sites, in execution order."""
