@@ -310,6 +310,11 @@ class ImplicitAutoGuide(AutoContinuous):
         """Whether the sampler draws whitened coordinates ``z`` (``u = m + L z``)."""
         return not self.preconditioner.is_identity
 
+    def _default_noise_dim(self, latent_dim):
+        """:func:`default_noise_dim` of ``latent_dim`` coordinates under this guide's
+        preconditioner."""
+        return default_noise_dim(latent_dim, dense=self.preconditioner.kind == "dense")
+
     @property
     def scaled_layers(self):
         """Whether the default MLP's layers are
@@ -862,17 +867,23 @@ _FIXED_DRAWS_SEED = 0
 FULL_RANK_NOISE_LIMIT = 256
 
 
-def default_noise_dim(latent_dim):
-    """Noise size scaled to D: D up to :data:`FULL_RANK_NOISE_LIMIT` (so a full-rank q is
-    reachable), beyond that :func:`network_noise_dim`.
+def default_noise_dim(latent_dim, dense=False):
+    """Noise size scaled to D: D up to :data:`FULL_RANK_NOISE_LIMIT`, and at any D where
+    the guide's preconditioner is dense (so a full-rank q is reachable, and the guide
+    starts at the preconditioner's Gaussian); beyond that limit with a diagonal one (a
+    network's weights, whose Gaussian fit is diagonal, or more than
+    :data:`~pyro_implicit.latent.DENSE_LIMIT` latents) :func:`network_noise_dim`.
 
     With less noise than D a generator's draws lie on a d-dimensional surface: on a
     150-coefficient regression with an exact Gaussian posterior (``wide_blr`` of
     :mod:`pyro_implicit.targets.conjugate`, ``benchmarks/results/wide_blr_defaults.md``)
     the 73 of :func:`network_noise_dim` left ``KernelRatioELBO``'s fit with correlation
     errors of 0.3 before its first step and 0.6 after 2000, where 150 start and end at
-    the exact posterior."""
-    if latent_dim <= FULL_RANK_NOISE_LIMIT:
+    the exact posterior; on 300 coefficients, whose preconditioner is dense, the 76 of a
+    network left it 0.68 off after 2000 steps (``audit_probes_s61.md``).
+
+    :param bool dense: whether the guide's preconditioner is dense."""
+    if latent_dim <= FULL_RANK_NOISE_LIMIT or dense:
         return max(latent_dim, 2)
     return network_noise_dim(latent_dim)
 

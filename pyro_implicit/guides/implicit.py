@@ -8,7 +8,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 from torch import nn
 
 from ..errors import check_count
-from .base import ImplicitAutoGuide, default_noise_dim, network_noise_dim
+from .base import ImplicitAutoGuide, network_noise_dim
 from .networks import BlockGenerator, MatrixGenerator, MLPGenerator
 
 __all__ = ["ImplicitGuide", "SkipGenerator", "gpvi_generator"]
@@ -53,9 +53,11 @@ class ImplicitGuide(ImplicitAutoGuide):
         one that also takes ``scaled`` is passed the guide's layers as
         :class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled``, ``False``,
         ``True`` or ``"ntk"``, as :func:`gpvi_generator`'s is).
-    :param int noise_dim: noise size (default scaled to D: D up to 256, so that q can be
-        full-rank; beyond, a network's size, 64 growing slowly:
-        :func:`~pyro_implicit.guides.base.default_noise_dim`). With ``per_site=True`` it is
+    :param int noise_dim: noise size (default scaled to D: D up to 256, and at any D
+        where the preconditioner is dense, so that q can be full-rank and start at the
+        preconditioner's Gaussian; beyond 256 with a diagonal one, a network's size, 64
+        growing slowly: :func:`~pyro_implicit.guides.base.default_noise_dim`). With
+        ``per_site=True`` it is
         the noise size per site (default scaled to each site).
     :param tuple hidden_dims: MLP hidden widths (default two layers of
         ``clip(2 max(d, min(D, 256)), 32, 512)``).
@@ -138,7 +140,7 @@ class ImplicitGuide(ImplicitAutoGuide):
 
     # ------------------------------------------------------------------ building
     def _mlp(self, out_dim, noise_dim=None, hidden_dims=None):
-        d = noise_dim or self._noise_dim_arg or default_noise_dim(out_dim)
+        d = noise_dim or self._noise_dim_arg or self._default_noise_dim(out_dim)
         hidden = hidden_dims if hidden_dims is not None else self._hidden_dims
         if hidden is None:
             hidden = _default_hidden(d, out_dim)
@@ -179,7 +181,7 @@ class ImplicitGuide(ImplicitAutoGuide):
     def _build_sampler(self, init_loc):
         spec = self._generator_spec
         if callable(spec) and not isinstance(spec, str):
-            d = self._noise_dim_arg or default_noise_dim(self.latent_dim)
+            d = self._noise_dim_arg or self._default_noise_dim(self.latent_dim)
             if _takes_keyword(spec, "scaled"):
                 # a factory that can build scaled layers gets the guide's parametrization
                 gen = spec(d, self.latent_dim, scaled=self._scaled_keyword())

@@ -35,7 +35,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 
 from ..errors import check_count
 from ..kernels import squared_distances
-from .base import ImplicitAutoGuide, default_noise_dim
+from .base import ImplicitAutoGuide
 from .networks import MLPGenerator
 from .scalable import CorrelatedMatrixGenerator
 
@@ -83,16 +83,19 @@ class LinearizedGuide(ImplicitAutoGuide):
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), LIVI_ELBO())
 
     :param callable model: a Pyro model with continuous latent sites.
-    :param int noise_dim: d, the size of z (default: D up to 256 latents, then a network's
-        size, growing slowly: :func:`~pyro_implicit.guides.base.default_noise_dim`; the
+    :param int noise_dim: d, the size of z (default: D up to 256 latents and at any D
+        where the preconditioner is dense, else a network's size, growing slowly:
+        :func:`~pyro_implicit.guides.base.default_noise_dim`; the
         paper uses 60-85 for its toy, 4 225 for MNIST, 16 900 for CIFAR). With d < D, q is
         a d-dimensional surface widened by :math:`\sigma` only: on a posterior that is not
         low-rank the fit shrinks its marginals (the best of such a family has sds about
         :math:`\sqrt{d/D}` of the posterior's where it is isotropic). On the
         150-coefficient regression ``wide_blr`` (``benchmarks/results/wide_blr_defaults.md``)
         d = 73 (the network rule this default had above 64 latents) ended with sd ratios
-        0.54-0.89, d = 150 within the exact-posterior bar. Beyond 256 latents, on a
-        posterior that is not a network's, pass ``noise_dim=D``, or prefer
+        0.54-0.89, d = 150 within the exact-posterior bar. Beyond 256 latents with a
+        diagonal preconditioner (beyond :data:`~pyro_implicit.latent.DENSE_LIMIT`, or
+        ``precondition=False``), on a posterior that is not a network's, pass
+        ``noise_dim=D``, or prefer
         ``SemiImplicitGuide`` or ``ImplicitGuide``. With ``generator="scalable"`` z is
         reshaped to a near-square matrix.
     :param tuple hidden_dims: hidden widths of the MLP generator (default one layer of
@@ -170,7 +173,7 @@ class LinearizedGuide(ImplicitAutoGuide):
     def _build_sampler(self, init_loc):
         dim = self.latent_dim
         spec = self._generator_spec
-        d = self._noise_dim_arg or default_noise_dim(dim)
+        d = self._noise_dim_arg or self._default_noise_dim(dim)
         if callable(spec) and not isinstance(spec, str):
             gen = spec(d, dim)
             for attr in ("noise_dim", "out_dim"):
