@@ -14,7 +14,9 @@ synthetic, drawn from a fixed seed.
   (0.01 to 1000) with priors scaled to match, as unstandardised real data come;
 * ``wide_blr``: the correlated regression with 150 coefficients and 400 rows, beyond the
   sizes where the defaults change (``LinearizedGuide``'s noise size below D above 64
-  latents, ``SteinScoreELBO``'s 100 draws above 100).
+  latents, ``SteinScoreELBO``'s 100 draws above 100);
+* ``wider_blr``: the same with 300 coefficients and 800 rows, beyond 256 latents (where a
+  generator's default noise is a network's size unless the preconditioner is dense).
 """
 
 import dataclasses
@@ -121,12 +123,13 @@ _BUILDERS = {
     "correlated_blr": lambda gen: _blr(gen, (1.0,) * 5),
     "raw_blr": lambda gen: _blr(gen, (0.01, 0.1, 1.0, 100.0, 1000.0)),
     "wide_blr": lambda gen: _blr(gen, (1.0,) * 150, num=400),
+    "wider_blr": lambda gen: _blr(gen, (1.0,) * 300, num=800),
 }
 
 #: names of the problems of the issue's acceptance grid, in order of difficulty
 EXACT_PROBLEMS = ("normal", "gamma_poisson", "beta_bernoulli", "correlated_blr", "raw_blr")
 #: problems beyond that grid, for the defaults' limits (``exact_problem`` builds them too)
-WIDE_PROBLEMS = ("wide_blr",)
+WIDE_PROBLEMS = ("wide_blr", "wider_blr")
 
 
 def exact_problem(name, seed=0):
