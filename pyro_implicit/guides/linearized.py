@@ -96,8 +96,12 @@ class LinearizedGuide(ImplicitAutoGuide):
         diagonal preconditioner (beyond :data:`~pyro_implicit.latent.DENSE_LIMIT`, or
         ``precondition=False``), on a posterior that is not a network's, pass
         ``noise_dim=D``, or prefer
-        ``SemiImplicitGuide`` or ``ImplicitGuide``. With ``generator="scalable"`` z is
-        reshaped to a near-square matrix.
+        ``SemiImplicitGuide`` or ``ImplicitGuide``. Noise of D makes ``LIVI_ELBO``'s
+        default bound form D x D Jacobians: on regressions of D = 300 / 600 / 1000 a step
+        took 82 / 387 / 1340 ms against 22 / 42 / 119 ms with a network's noise, which
+        left the fit's sd ratios at 0.44-0.62 (``benchmarks/results/audit_probes_s61.md``
+        section 5); where that is too slow, ``LIVI_ELBO(bound="svd")`` needs no whole
+        Jacobian. With ``generator="scalable"`` z is reshaped to a near-square matrix.
     :param tuple hidden_dims: hidden widths of the MLP generator (default one layer of
         ``clip(2 max(d, min(D, 256)), 32, 512)``; the paper's toy/UCI generators have one
         hidden layer). ``()`` gives a linear generator, for which eq. 14 is exact.
