@@ -572,6 +572,19 @@ def test_a_guide_refuses_stored_weights_of_other_layers(searched_once):
     _assert_same_draws(expected, _seeded_draws(first))
 
 
+def test_stored_weights_of_other_sizes_name_the_sizes_to_restore_them(searched_once):
+    """Weights saved with other sizes (the noise size a dense preconditioner beyond 256
+    latents has had since f42a85a, for one) name the sizes that restore them, and the
+    guide built with those sizes does."""
+    first = _trained_on("ImplicitGuide", _MIXED_Y, noise_dim=3)
+    expected = _seeded_draws(first)
+    with pytest.raises(ValueError, match="with the sizes it was saved with .noise_dim"):
+        _guide("ImplicitGuide", _mixed, precondition=True)(_MIXED_Y)
+    restored = _guide("ImplicitGuide", _mixed, precondition=True, noise_dim=3)
+    restored(_MIXED_Y)
+    _assert_same_draws(expected, _seeded_draws(restored))
+
+
 @pytest.mark.parametrize("precondition", [False, True], ids=["raw", "preconditioned"])
 @pytest.mark.parametrize("guide_name", GUIDE_NAMES)
 def test_state_dict_round_trip(guide_name, precondition, monkeypatch, searched_once):

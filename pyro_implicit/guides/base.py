@@ -467,8 +467,11 @@ class ImplicitAutoGuide(AutoContinuous):
                         f"Pyro's param store holds '{fullname}' with shape "
                         f"{tuple(stored.shape)}, but this {type(self).__name__} needs "
                         f"{tuple(param.shape)} (a guide of the same name for another model "
-                        "or with other sizes): call pyro.clear_param_store() before building "
-                        "it, or give it another name through AutoGuideList"
+                        "or with other sizes): to restore it, build the guide with the sizes "
+                        "it was saved with (noise_dim, hidden_dims: beyond 256 latents a dense "
+                        "preconditioner now gives noise of D, where a network's size was the "
+                        "default before); to fit anew call pyro.clear_param_store() before "
+                        "building it, or give it another name through AutoGuideList"
                     )
                 with torch.no_grad():
                     param.copy_(stored.detach().to(dtype=param.dtype, device=param.device))
