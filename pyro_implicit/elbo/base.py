@@ -305,6 +305,8 @@ class ImplicitELBO(ELBO):
         return traces
 
     def _check_vectorized(self, model, guide, args, kwargs):
+        """:func:`check_vectorized_log_joint` of the pair, with the random streams put back
+        as they were."""
         rng = pyro.util.get_rng_state()
         try:
             check_vectorized_log_joint(model, guide, args, kwargs, self.max_plate_nesting)
