@@ -57,6 +57,7 @@ from torch.distributions import biject_to
 
 from .errors import ModelError, UnsupportedModelError
 from .progress import refresh_intervals
+from .random_streams import random_streams_kept
 
 __all__ = [
     "DrawableFlatPrior",
@@ -649,12 +650,8 @@ class LatentSpace:
             dropped."""
         model = guide.model if model is None else model
         # the run draws from the prior: leave the caller's random streams as they were
-        rng = pyro.util.get_rng_state()
-        try:
-            with torch.no_grad():
-                full = poutine.block(poutine.trace(model).get_trace)(*args, **(kwargs or {}))
-        finally:
-            pyro.util.set_rng_state(rng)
+        with random_streams_kept(), torch.no_grad():
+            full = poutine.block(poutine.trace(model).get_trace)(*args, **(kwargs or {}))
         from .elbo.checks import check_observed_finite  # the losses import this module
 
         # NaN data fail the first model run of any search with Pyro's message, which
@@ -684,13 +681,10 @@ class LatentSpace:
 
         :param int max_plate_nesting: a lower bound for the nesting (e.g. the user's)."""
         proto = AutoContinuous(model, init_loc_fn=init_to_median)
-        rng = pyro.util.get_rng_state()
-        try:
+        with random_streams_kept():
             with torch.no_grad(), poutine.block(), prototype_errors_named(proto, "pyro_implicit"):
                 proto._setup_prototype(*args, **(kwargs or {}))
             init_loc = proto._init_loc().detach()
-        finally:
-            pyro.util.set_rng_state(rng)
         space = cls.from_guide(proto, args, kwargs, max_plate_nesting)
         #: packed prior medians (Pyro's ``init_to_median``): a start for a MAP search
         space.init_loc = init_loc

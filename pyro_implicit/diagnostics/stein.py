@@ -38,12 +38,12 @@ References
 import dataclasses
 import math
 
-import pyro
 import torch
 
 from ..guides import ImplicitAutoGuide
 from ..latent import LatentSpace, Preconditioner, resolve_precondition
 from ..particles import ParticleInference
+from ..random_streams import random_streams_kept
 from .draws import guess_max_plate_nesting, posterior_draws, source_kind
 
 __all__ = [
@@ -177,12 +177,8 @@ def model_preconditioner(
     """
     if max_plate_nesting is None:
         max_plate_nesting = guess_max_plate_nesting(model, *args, **kwargs)
-    rng = pyro.util.get_rng_state()
-    try:
-        pyro.set_rng_seed(seed)
+    with random_streams_kept(seed):
         space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
-    finally:
-        pyro.util.set_rng_state(rng)
     return resolve_precondition(
         True, space, space.init_loc, args, kwargs, vi_estimator=vi_estimator
     )

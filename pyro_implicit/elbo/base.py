@@ -48,6 +48,7 @@ from ..errors import (
 )
 from ..guides.base import implicit_site_info, requested_by_loss
 from ..latent import LatentSpace, completed_model
+from ..random_streams import random_streams_kept
 
 # the helpers live in modules of their own (one job each); their old home re-exports them
 from .checks import (  # noqa: F401
@@ -307,11 +308,8 @@ class ImplicitELBO(ELBO):
     def _check_vectorized(self, model, guide, args, kwargs):
         """:func:`check_vectorized_log_joint` of the pair, with the random streams put back
         as they were."""
-        rng = pyro.util.get_rng_state()
-        try:
+        with random_streams_kept():
             check_vectorized_log_joint(model, guide, args, kwargs, self.max_plate_nesting)
-        finally:
-            pyro.util.set_rng_state(rng)
 
     def latent_sites(self, model_trace):
         """The model's latent sample sites, in execution order."""

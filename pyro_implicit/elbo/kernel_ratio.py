@@ -47,6 +47,7 @@ from ..latent import (
     subsampled_plate_of,
     wraps_distribution,
 )
+from ..random_streams import random_streams_kept
 from .base import (
     RUNAWAY_DRIFT,
     ImplicitELBO,
@@ -463,9 +464,9 @@ class KernelRatioELBO(ImplicitELBO):
         other's value), read once per model with Pyro's dependency tracer."""
         key = id(model)
         if key not in self._links:
-            rng = pyro.util.get_rng_state()  # reading the structure leaves the stream as is
             try:
-                deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
+                with random_streams_kept():  # reading the structure leaves the stream as is
+                    deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
             except Exception as e:  # the tracer cannot follow every model
                 warnings.warn(
                     f"KernelRatioELBO could not read the model's prior dependencies ({e!r}); "
@@ -474,8 +475,6 @@ class KernelRatioELBO(ImplicitELBO):
                     stacklevel=4,
                 )
                 deps = None
-            finally:
-                pyro.util.set_rng_state(rng)
             self._links[key] = (
                 None if deps is None else {(a, b) for a, ups in deps.items() for b in ups if b != a}
             )

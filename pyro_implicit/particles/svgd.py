@@ -75,6 +75,7 @@ from ..latent import (
     resolve_precondition,
 )
 from ..progress import refresh_intervals
+from ..random_streams import random_streams_kept
 
 __all__ = [
     "AUTO_PARTICLES",
@@ -260,12 +261,8 @@ def _guess_max_plate_nesting(model, args, kwargs):
 def _param_names(model, args, kwargs):
     """Names of the model's own ``pyro.param`` sites (an autoguide's prototype trace hides
     them), read from one run that leaves the random streams as they were."""
-    rng = pyro.util.get_rng_state()
-    try:
-        with torch.no_grad():
-            trace = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
-    finally:
-        pyro.util.set_rng_state(rng)
+    with random_streams_kept(), torch.no_grad():
+        trace = poutine.block(poutine.trace(model).get_trace)(*args, **kwargs)
     return tuple(name for name, site in trace.nodes.items() if site["type"] == "param")
 
 
@@ -820,8 +817,7 @@ class ParticleInference:
         any search or step, leaving the random streams as they were."""
         if not self.check_vectorization:
             return
-        rng = pyro.util.get_rng_state()
-        try:
+        with random_streams_kept():
             with torch.no_grad():
                 noise = torch.randn(
                     num_draws, init_loc.shape[-1], dtype=init_loc.dtype, device=init_loc.device
@@ -836,8 +832,6 @@ class ParticleInference:
                 num_draws=num_draws,
                 values=values,
             )
-        finally:
-            pyro.util.set_rng_state(rng)
 
     @staticmethod
     def _norm(t):
