@@ -895,13 +895,15 @@ class LatentSpace:
         values, _, ladj = self.unpack_views(u, extra, log_jacobian=not observed_only)
         with poutine.block():
             trace = self.trace(values, args, kwargs, size=num, dim=dim)
+        # the latent sites, conditioned on u, are observed in this trace too
+        latent = {s.name for s in self.sites} if observed_only else ()
         names = [
             name
             for name, site in trace.nodes.items()
             if site["type"] == "sample"
             and not site_is_subsample(site)
             and not _is_deterministic(site)
-            and (site["is_observed"] or not observed_only)
+            and name not in latent
         ]
         trace.compute_log_prob(site_filter=lambda name, site: name in names)
         total = ladj
