@@ -144,6 +144,31 @@ def test_each_method_gets_the_preconditioner_its_loss_asks_for(quartic_model):
     assert alone.methods["kivi"].ksd.ksd == result.methods["kivi"].ksd.ksd
 
 
+@pytest.mark.parametrize(
+    "source, dim, noise",
+    [("gaussian_vi", 300, "network"), ("laplace", 300, 300), ("gaussian_vi", 200, 200)],
+)
+def test_compares_livi_takes_a_networks_noise_around_a_wide_gaussian_fit(source, dim, noise):
+    """``livi`` in ``compare`` around a dense Gaussian fit beyond 256 latents (what the
+    search gives a network's weights) takes a network's noise: the default's D would make
+    each step form whole D x D Jacobians. Around a Laplace, or at most 256 latents, it
+    keeps the guide's default of D."""
+    from pyro_implicit.diagnostics.methods import METHODS
+    from pyro_implicit.guides.base import network_noise_dim
+
+    def wide(x, y):
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([dim]).to_event(1))
+        with pyro.plate("data", y.shape[-1]):
+            pyro.sample("obs", dist.Normal((x * beta.unsqueeze(-2)).sum(-1), 1.0), obs=y)
+
+    x, y = torch.randn(2 * dim, dim), torch.randn(2 * dim)
+    pre = Preconditioner(torch.zeros(dim), scale_tril=torch.eye(dim), source=source)
+    pyro.clear_param_store()
+    guide, _ = METHODS["livi"].build(wide, 1, precondition=pre)
+    guide(x, y)
+    assert guide.noise_dim == (network_noise_dim(dim) if noise == "network" else noise)
+
+
 def test_one_preconditioner_search_serves_every_method(y, nuts, monkeypatch):
     """The model's preconditioner is searched once, not once per method (and again for
     the KSD's coordinates), and every method of the library gets it: here the exact
