@@ -593,6 +593,45 @@ def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
     torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
 
 
+@pytest.mark.parametrize("guide_class", [ImplicitGuide, LinearizedGuide])
+@pytest.mark.parametrize("path", ["param_store", "state_dict"])
+def test_a_restored_guide_rebuilds_the_noise_it_was_saved_with(guide_class, path, tmp_path):
+    """Beyond 256 latents a dense Gaussian fit (what the search gives a network's weights)
+    gives a network's noise. Restored, the preconditioner is the stored factor, for which
+    the default would be noise of D: the saved size is rebuilt instead, and the draws are
+    the saved guide's."""
+    from pyro_implicit.guides.base import network_noise_dim
+    from pyro_implicit.latent import Preconditioner
+
+    dim = 300
+    x, y = torch.randn(20, dim), torch.randn(20)
+
+    def wide(x, y):
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([dim]).to_event(1))
+        with pyro.plate("data", y.shape[-1]):
+            pyro.sample("obs", dist.Normal((x * beta.unsqueeze(-2)).sum(-1), 1.0), obs=y)
+
+    fit = Preconditioner(torch.zeros(dim), scale_tril=0.1 * torch.eye(dim), source="gaussian_vi")
+    pyro.clear_param_store()
+    guide = guide_class(wide, precondition=fit)
+    guide(x, y)
+    assert guide.noise_dim == network_noise_dim(dim)
+    pyro.set_rng_seed(1)
+    draws = guide.sample_posterior(5)["beta"]
+    state = guide.state_dict()
+    pyro.get_param_store().save(tmp_path / "store.pt")
+    pyro.clear_param_store()
+    restored = guide_class(wide)
+    if path == "param_store":
+        pyro.get_param_store().load(tmp_path / "store.pt")
+    else:
+        restored.load_state_dict(state)
+    restored(x, y)
+    assert restored.noise_dim == guide.noise_dim
+    pyro.set_rng_seed(1)
+    torch.testing.assert_close(restored.sample_posterior(5)["beta"], draws)
+
+
 @pytest.mark.parametrize("precondition", [False, "another"])
 def test_weights_saved_around_a_preconditioner_refuse_a_guide_without_it(precondition, tmp_path):
     """Weights act in their preconditioner's coordinates: a guide built with

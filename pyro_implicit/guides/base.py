@@ -250,7 +250,13 @@ class ImplicitAutoGuide(AutoContinuous):
         self.register_buffer("layer_code", init_loc.new_tensor(_LAYERS[self._layers][1]))
         if pending is not None:
             pending[0].setdefault("layer_code", self.layer_code.clone())
+        # a restored guide rebuilds the generator it was saved with, whatever the default
+        # for its (restored) preconditioner would be now
+        self._saved_noise = self._saved_noise_size(pending)
         self._build_around_preconditioner(init_loc)
+        self.register_buffer("noise_size", init_loc.new_tensor(float(self._noise_size_now())))
+        if pending is not None:
+            pending[0].setdefault("noise_size", self.noise_size.clone())
         if pending is None:
             self._check_stored_weights_fit(init_loc)
         if pending is not None:
@@ -311,9 +317,42 @@ class ImplicitAutoGuide(AutoContinuous):
         return not self.preconditioner.is_identity
 
     def _default_noise_dim(self, latent_dim):
-        """:func:`default_noise_dim` of ``latent_dim`` coordinates under this guide's
-        preconditioner."""
-        return default_noise_dim(latent_dim, dense=self.preconditioner.kind == "dense")
+        """The noise of ``latent_dim`` coordinates: the size the guide was saved with where
+        it is being restored (param store or ``state_dict``), else :func:`default_noise_dim`
+        under this guide's preconditioner, full-rank where its dense factor is the
+        Laplace's or the user's. A dense Gaussian *fit* beyond
+        :data:`FULL_RANK_NOISE_LIMIT` latents is what the search gives a network's weights
+        (the fit from the Laplace start, where the Laplace failed its check): it keeps a
+        network's noise."""
+        saved = getattr(self, "_saved_noise", None)
+        if saved is not None and latent_dim == self.latent_dim:
+            return saved
+        pre = self.preconditioner
+        return default_noise_dim(
+            latent_dim, dense=pre.kind == "dense" and pre.source != "gaussian_vi"
+        )
+
+    def _noise_size_now(self):
+        """The built sampler's noise size (0 where it has none of one size)."""
+        try:
+            size = self.noise_dim
+        except (NotImplementedError, AttributeError):
+            return 0
+        return size if isinstance(size, int) else 0
+
+    def _saved_noise_size(self, pending=None):
+        """The noise size of a state being restored: ``pending``'s, or the param store's
+        where the guide took its preconditioner from there; ``None`` where there is none
+        (saved before it was stored, or nothing restored)."""
+        if pending is not None:
+            code = pending[0].get("noise_size")
+        elif self.preconditioner.source == "param_store":
+            name = self._store_name("noise_size")
+            store = pyro.get_param_store()
+            code = store[name] if name in store else None
+        else:
+            code = None
+        return int(code.item()) if code is not None and code.item() > 0 else None
 
     @property
     def scaled_layers(self):
@@ -519,9 +558,12 @@ class ImplicitAutoGuide(AutoContinuous):
                 del store[name]
 
     def _store_layers(self):
-        """Save the layers' code with the param store (never optimised), so that ``load``
-        restores the layers, not only their stored parameters."""
-        pyro.get_param_store()[self._store_name("layer_code")] = self.layer_code.detach().clone()
+        """Save the layers' code and the noise size with the param store (never
+        optimised), so that ``load`` restores the generator's shape and layers, not only
+        their stored parameters."""
+        store = pyro.get_param_store()
+        store[self._store_name("layer_code")] = self.layer_code.detach().clone()
+        store[self._store_name("noise_size")] = self.noise_size.detach().clone()
 
     def forward(self, *args, **kwargs):
         if self.prototype_trace is None:
@@ -589,6 +631,7 @@ class ImplicitAutoGuide(AutoContinuous):
             self._layers = self._resolve_layers_for(request)
             self.layer_code.fill_(_LAYERS[self._layers][1])
         self._build_around_preconditioner(init_loc)
+        self.noise_size.fill_(float(self._noise_size_now()))
         self._keep_parameter_tensors(list(names.values()))
         self._sync_param_store(pull=False)
         self._store_preconditioner()
@@ -662,6 +705,8 @@ class ImplicitAutoGuide(AutoContinuous):
         self._check_saved_layers(state_dict.get("layer_code"))
         if "layer_code" not in state_dict:  # saved before the code was
             state_dict = {**state_dict, "layer_code": self.layer_code.clone()}
+        if "noise_size" not in state_dict:  # saved before the size was
+            state_dict = {**state_dict, "noise_size": self.noise_size.clone()}
         ref = self._noise_reference
         saved = _preconditioner_from_state(state_dict, ref)
         current = self.preconditioner
