@@ -21,8 +21,7 @@ preconditioner (:mod:`pyro_implicit.latent`; ``precondition=False`` fits in the 
 * ``"livi"``: :class:`~pyro_implicit.guides.LinearizedGuide` trained with
   :class:`~pyro_implicit.elbo.LIVI_ELBO` ``(num_particles=32, bound="det")`` (eq. 15, whole
   Jacobians: cheap at these sizes; 32 draws per step instead of the loss's default 8,
-  see ``_LIVI``); around a network's dense Gaussian fit beyond 256 latents the guide takes
-  a network's noise size, not D (``_livi_noise``).
+  see ``_LIVI``).
 * ``"gpvi"``: :class:`~pyro_implicit.guides.ImplicitGuide` with the skip generator
   ``gpvi_generator()`` trained with :class:`~pyro_implicit.elbo.GPVI_ELBO`
   ``(num_particles=64)`` (its default solves with the exact Jacobian, the paper's "exact
@@ -62,8 +61,6 @@ from ..elbo import (
 from ..elbo.gpvi import gpvi_generator
 from ..elbo.grid import GRID
 from ..guides import ImplicitGuide, LinearizedGuide, SemiImplicitGuide
-from ..guides.base import FULL_RANK_NOISE_LIMIT, network_noise_dim
-from ..latent import Preconditioner
 from ..particles import WeightSpaceSVGD
 
 __all__ = [
@@ -151,25 +148,10 @@ def _build_sivi(model, mpn, precondition=True):
     )
 
 
-def _livi_noise(precondition):
-    """``LinearizedGuide``'s noise in ``compare``: a network's size around a dense Gaussian
-    fit beyond :data:`~pyro_implicit.guides.base.FULL_RANK_NOISE_LIMIT` latents (what the
-    search gives a network's weights, the fit from the Laplace start), where the default
-    of D makes every step form ``num_particles`` whole D x D Jacobians; the guide's own
-    default (D around a Laplace, a network's size around a diagonal) otherwise. On the
-    ``energy`` BNN (D = 502, seed 1, 1000 steps of ``Adam(1e-3)``): noise 502, 1037 ms a
-    step, test RMSE 0.363, LL -1.497; noise 87, 99 ms, 0.366, -1.328
-    (``benchmarks/results/preconditioner_start_likelihood.md``)."""
-    if isinstance(precondition, Preconditioner) and precondition.kind == "dense":
-        dim = precondition.loc.numel()
-        if precondition.source == "gaussian_vi" and dim > FULL_RANK_NOISE_LIMIT:
-            return {"noise_dim": network_noise_dim(dim)}
-    return {}
-
-
 def _build_livi(model, mpn, precondition=True):
-    guide = LinearizedGuide(model, precondition=precondition, **_livi_noise(precondition))
-    return guide, LIVI_ELBO(**_LIVI, max_plate_nesting=mpn)
+    return LinearizedGuide(model, precondition=precondition), LIVI_ELBO(
+        **_LIVI, max_plate_nesting=mpn
+    )
 
 
 def _build_gpvi(model, mpn, precondition=True):
