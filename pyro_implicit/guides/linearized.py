@@ -101,11 +101,11 @@ class LinearizedGuide(ImplicitAutoGuide):
         took 82 / 387 / 1340 ms against 22 / 42 / 119 ms with a network's noise, which
         left the fit's sd ratios at 0.44-0.62 (``benchmarks/results/audit_probes_s61.md``
         section 5); where that is too slow, ``LIVI_ELBO(bound="svd")`` needs no whole
-        Jacobian. A network's weights beyond 256 latents get a dense preconditioner too
-        (the Gaussian fit from the Laplace start), so noise of D: on the ``energy`` BNN
-        (D = 502) a step of ``LIVI_ELBO(num_particles=32)`` took 1040 ms, 90 ms with
-        ``noise_dim=87`` and 49 ms with ``bound="svd"``
-        (``benchmarks/results/preconditioner_start_likelihood.md``). With
+        Jacobian. A network's weights beyond 256 latents get a dense Gaussian fit (from
+        the Laplace start), which keeps a network's noise: on the ``energy`` BNN (D = 502)
+        a step of ``LIVI_ELBO(num_particles=32)`` took 99 ms with 87 noise values and
+        1037 ms with 502, which ended no better (test log-likelihood -1.328 and -1.497;
+        ``benchmarks/results/preconditioner_start_likelihood.md``). With
         ``generator="scalable"`` z is reshaped to a near-square matrix.
     :param tuple hidden_dims: hidden widths of the MLP generator (default one layer of
         ``clip(2 max(d, min(D, 256)), 32, 512)``; the paper's toy/UCI generators have one
