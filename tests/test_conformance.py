@@ -572,12 +572,19 @@ def test_a_guide_refuses_stored_weights_of_other_layers(searched_once):
     _assert_same_draws(expected, _seeded_draws(first))
 
 
-def test_stored_weights_of_other_sizes_name_the_sizes_to_restore_them(searched_once):
-    """Weights saved with other sizes (the noise size a dense preconditioner beyond 256
-    latents has had since f42a85a, for one) name the sizes that restore them, and the
-    guide built with those sizes does."""
+def test_stored_weights_of_other_sizes_restore_with_their_stored_noise_size(searched_once):
+    """A guide stores its noise size with its weights: one built without ``noise_dim`` on
+    a store holding weights of another size (one the default would not give, as the
+    defaults beyond 256 latents changed in f42a85a and 7853b32) rebuilds that size and
+    draws as the saved guide did. Weights stored before the size was name the sizes that
+    restore them, and the guide built with those sizes does."""
     first = _trained_on("ImplicitGuide", _MIXED_Y, noise_dim=3)
     expected = _seeded_draws(first)
+    restored = _guide("ImplicitGuide", _mixed, precondition=True)
+    restored(_MIXED_Y)
+    assert restored.noise_dim == 3
+    _assert_same_draws(expected, _seeded_draws(restored))
+    del pyro.get_param_store()[first._store_name("noise_size")]  # saved before the size was
     with pytest.raises(ValueError, match="with the sizes it was saved with .noise_dim"):
         _guide("ImplicitGuide", _mixed, precondition=True)(_MIXED_Y)
     restored = _guide("ImplicitGuide", _mixed, precondition=True, noise_dim=3)
