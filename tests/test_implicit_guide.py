@@ -1,5 +1,6 @@
 """ImplicitGuide as a Pyro guide, and ImplicitGuide + KernelRatioELBO against exact posteriors."""
 
+import functools
 import math
 
 import pyro
@@ -573,24 +574,37 @@ def _livi_trained_guide():
     return guide
 
 
-@pytest.mark.parametrize("path", ["param_store", "state_dict"])
-def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
-    # scaled and ntk layers store the same parameter names: the saved code tells them apart
-    guide = _livi_trained_guide()
+def _saved_and_restored(guide, build, path, tmp_path, *args):
+    """``guide``'s seeded draws, and a fresh guide from ``build()`` restored from its state
+    by ``path`` (the param store through a file, or ``state_dict``), called on ``args``
+    (outside any loss)."""
     pyro.set_rng_seed(1)
-    draws = guide.sample_posterior(5)["x"]
+    draws = guide.sample_posterior(5)
     state = guide.state_dict()
     pyro.get_param_store().save(tmp_path / "store.pt")
     pyro.clear_param_store()
-    restored = LinearizedGuide(_two_coefficients)
+    restored = build()
     if path == "param_store":
         pyro.get_param_store().load(tmp_path / "store.pt")
     else:
         restored.load_state_dict(state)
-    restored()  # built outside any loss
-    assert restored.layers == "ntk"
+    restored(*args)
+    return draws, restored
+
+
+def _assert_seeded_draws(guide, draws):
     pyro.set_rng_seed(1)
-    torch.testing.assert_close(restored.sample_posterior(5)["x"], draws)
+    for name, value in guide.sample_posterior(5).items():
+        torch.testing.assert_close(value, draws[name])
+
+
+@pytest.mark.parametrize("path", ["param_store", "state_dict"])
+def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
+    # scaled and ntk layers store the same parameter names: the saved code tells them apart
+    build = functools.partial(LinearizedGuide, _two_coefficients)
+    draws, restored = _saved_and_restored(_livi_trained_guide(), build, path, tmp_path)
+    assert restored.layers == "ntk"
+    _assert_seeded_draws(restored, draws)
 
 
 @pytest.mark.parametrize("guide_class", [ImplicitGuide, LinearizedGuide])
@@ -616,20 +630,10 @@ def test_a_restored_guide_rebuilds_the_noise_it_was_saved_with(guide_class, path
     guide = guide_class(wide, precondition=fit)
     guide(x, y)
     assert guide.noise_dim == network_noise_dim(dim)
-    pyro.set_rng_seed(1)
-    draws = guide.sample_posterior(5)["beta"]
-    state = guide.state_dict()
-    pyro.get_param_store().save(tmp_path / "store.pt")
-    pyro.clear_param_store()
-    restored = guide_class(wide)
-    if path == "param_store":
-        pyro.get_param_store().load(tmp_path / "store.pt")
-    else:
-        restored.load_state_dict(state)
-    restored(x, y)
+    build = functools.partial(guide_class, wide)
+    draws, restored = _saved_and_restored(guide, build, path, tmp_path, x, y)
     assert restored.noise_dim == guide.noise_dim
-    pyro.set_rng_seed(1)
-    torch.testing.assert_close(restored.sample_posterior(5)["beta"], draws)
+    _assert_seeded_draws(restored, draws)
 
 
 @pytest.mark.parametrize("precondition", [False, "another"])
