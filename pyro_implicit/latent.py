@@ -1502,10 +1502,13 @@ def _leading_fit(fits, dim, diagnostics):
     the ELBO ranks the fit from unit scales first (a near-constant network, wide and cheap
     in KL) while the one from the Laplace, about a network that fits the data, is what the
     methods need to start from: on the UCI BNNs (50 hidden units, ``compare``'s default
-    ``kivi`` fit) the unit-scale fit won on ELBO by 130-1100 nats on ``boston``,
-    ``concrete``, ``energy``, ``wine`` and ``yacht``, and ``kivi`` fitted around it ended at
-    a test RMSE of 2.38 on ``energy`` (0.36 around the Laplace's; 1.43 against 0.37 after
-    10 000 steps) and 1.36-1.47 on ``yacht`` (0.69-0.70). On a centred hierarchical model
+    ``kivi`` fit, seeds 0-1) the unit-scale fit led on ELBO in nine of ten races, by
+    40-1000 nats, on ``boston``, ``concrete``, ``energy``, ``wine`` and ``yacht``, and
+    ``kivi`` fitted around it ended at a test RMSE of 2.38 on ``energy`` (0.36 around the
+    Laplace's; 1.43 against 0.37 after 10 000 steps) and 1.36-1.47 on ``yacht``
+    (0.69-0.70). At or below the limit the ELBO still decides, since the stiff
+    benchmark's numbers rest on its choices (a 162-weight network falls into the same
+    trap there: a lead). On a centred hierarchical model
     (a funnel, whose mode sits in the neck) the fit from unit scales explains the data
     better too, and still wins (``benchmarks/results/preconditioner_start_likelihood.md``).
     """
