@@ -94,21 +94,19 @@ def test_beyond_256_latents_a_dense_preconditioner_gives_full_noise(guide_name):
     model, args, site, posterior = _blr(torch.Generator().manual_seed(0), (1.0,) * 300, num=600)
     problem = ExactProblem("blr300", model, args, site, posterior)
     cls = getattr(pyro_implicit, guide_name)
-    dense = Preconditioner(posterior.loc, scale_tril=posterior.scale_tril)
-    pyro.clear_param_store()
-    guide = cls(problem.model, precondition=dense)
-    guide(*problem.args)
+
+    def built_around(pre):
+        pyro.clear_param_store()
+        guide = cls(problem.model, precondition=pre)
+        guide(*problem.args)
+        return guide
+
+    guide = built_around(Preconditioner(posterior.loc, scale_tril=posterior.scale_tril))
     assert guide.noise_dim == 300
     score = score_draws(guide.sample_posterior(4000)[problem.site], problem.posterior)
     assert score["correlation_error"] < 0.1 and 0.9 < score["sd_ratio_min"], score
     diagonal = Preconditioner(posterior.loc, scale=posterior.variance.sqrt())
-    pyro.clear_param_store()
-    guide = cls(problem.model, precondition=diagonal)
-    guide(*problem.args)
-    assert guide.noise_dim < 300
+    assert built_around(diagonal).noise_dim < 300
     # a dense Gaussian fit there is what the search gives a network's weights
     fitted = Preconditioner(posterior.loc, scale_tril=posterior.scale_tril, source="gaussian_vi")
-    pyro.clear_param_store()
-    guide = cls(problem.model, precondition=fitted)
-    guide(*problem.args)
-    assert guide.noise_dim < 300
+    assert built_around(fitted).noise_dim < 300

@@ -344,14 +344,8 @@ class ImplicitAutoGuide(AutoContinuous):
         """The noise size of a state being restored: ``pending``'s, or the param store's
         where the guide took its preconditioner from there; ``None`` where there is none
         (saved before it was stored, or nothing restored)."""
-        if pending is not None:
-            code = pending[0].get("noise_size")
-        elif self.preconditioner.source == "param_store":
-            name = self._store_name("noise_size")
-            store = pyro.get_param_store()
-            code = store[name] if name in store else None
-        else:
-            code = None
+        restoring = pending is not None or self.preconditioner.source == "param_store"
+        code = self._saved_entry("noise_size", pending) if restoring else None
         return int(code.item()) if code is not None and code.item() > 0 else None
 
     @property
@@ -373,14 +367,17 @@ class ImplicitAutoGuide(AutoContinuous):
         self._uses_layers = True
         return _LAYERS[self._layers][0]
 
-    def _saved_layer_code(self, pending=None):
-        """The ``layer_code`` of a state being restored (``pending``) or of the param store;
-        ``None`` if neither holds one."""
+    def _saved_entry(self, key, pending=None):
+        """``key`` (``"layer_code"``, ``"noise_size"``) of a state being restored
+        (``pending``) or of the param store; ``None`` if neither holds one."""
         if pending is not None:
-            return pending[0].get("layer_code")
-        name = self._store_name("layer_code")
+            return pending[0].get(key)
+        name = self._store_name(key)
         store = pyro.get_param_store()
         return store[name] if name in store else None
+
+    def _saved_layer_code(self, pending=None):
+        return self._saved_entry("layer_code", pending)
 
     def _resolve_layers(self, pending=None, saved_code=None):
         if self._parametrization_arg != "auto":
@@ -703,10 +700,9 @@ class ImplicitAutoGuide(AutoContinuous):
             self._pending_state = (dict(state_dict), strict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
         self._check_saved_layers(state_dict.get("layer_code"))
-        if "layer_code" not in state_dict:  # saved before the code was
-            state_dict = {**state_dict, "layer_code": self.layer_code.clone()}
-        if "noise_size" not in state_dict:  # saved before the size was
-            state_dict = {**state_dict, "noise_size": self.noise_size.clone()}
+        for key in ("layer_code", "noise_size"):  # saved before the guide stored it
+            if key not in state_dict:
+                state_dict = {**state_dict, key: getattr(self, key).clone()}
         ref = self._noise_reference
         saved = _preconditioner_from_state(state_dict, ref)
         current = self.preconditioner

@@ -84,8 +84,9 @@ class LinearizedGuide(ImplicitAutoGuide):
 
     :param callable model: a Pyro model with continuous latent sites.
     :param int noise_dim: d, the size of z (default: D up to 256 latents and at any D
-        where the preconditioner is dense, else a network's size, growing slowly:
-        :func:`~pyro_implicit.guides.base.default_noise_dim`; the
+        where the preconditioner is a dense Laplace or a user's, else a network's size,
+        growing slowly: :func:`~pyro_implicit.guides.base.default_noise_dim`; a restored
+        guide, the size it was saved with; the
         paper uses 60-85 for its toy, 4 225 for MNIST, 16 900 for CIFAR). With d < D, q is
         a d-dimensional surface widened by :math:`\sigma` only: on a posterior that is not
         low-rank the fit shrinks its marginals (the best of such a family has sds about
@@ -94,7 +95,8 @@ class LinearizedGuide(ImplicitAutoGuide):
         d = 73 (the network rule this default had above 64 latents) ended with sd ratios
         0.54-0.89, d = 150 within the exact-posterior bar. Beyond 256 latents with a
         diagonal preconditioner (beyond :data:`~pyro_implicit.latent.DENSE_LIMIT`, or
-        ``precondition=False``), on a posterior that is not a network's, pass
+        ``precondition=False``) or a dense Gaussian fit, on a posterior that is not a
+        network's, pass
         ``noise_dim=D``, or prefer
         ``SemiImplicitGuide`` or ``ImplicitGuide``. Noise of D makes ``LIVI_ELBO``'s
         default bound form D x D Jacobians: on regressions of D = 300 / 600 / 1000 a step
