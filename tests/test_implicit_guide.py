@@ -233,6 +233,33 @@ def test_non_vectorisable_model_is_detected():
     fit(fixed, ImplicitGuide(fixed), x, y, steps=1, num_particles=4, max_plate_nesting=1)
 
 
+def test_a_guide_checks_vectorisation_before_its_search(monkeypatch):
+    # a centred hierarchical regression whose regression term keeps a particle dim of its
+    # own: the draws' log-likelihoods are summed over every draw's predictions. Called
+    # outside a loss, the guide's search would fit that wrong density with no error.
+    group = torch.arange(12) % 4
+    x = torch.randn(12, 2)
+    y = torch.randn(12)
+
+    def model(x, group, y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("groups", 4):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+        with pyro.plate("data", 12):
+            mean = a[..., group] + (x * beta.unsqueeze(-2)).sum(-1)
+            pyro.sample("y", dist.Normal(mean, 1.0), obs=y)
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran before the check")
+
+    monkeypatch.setattr("pyro_implicit.guides.base.resolve_precondition", no_search)
+    with pytest.raises(VectorizationError, match=r"'y'.*precondition=False"):
+        ImplicitGuide(model)(x, group, y)
+    # without a search nothing scores batches before a loss
+    ImplicitGuide(model, precondition=False)(x, group, y)
+
+
 def test_custom_generator_must_match_latent_size():
     from pyro_implicit.guides import MLPGenerator
 

@@ -13,9 +13,15 @@ import torch
 from pyro.poutine.util import site_is_subsample
 
 from ..errors import DataError, ModelError, VectorizationError
+from ..random_streams import random_streams_kept
 from .traces import _is_latent, particle_sum
 
-__all__ = ["check_guide_covers_model", "check_observed_finite", "check_vectorized_log_joint"]
+__all__ = [
+    "check_guide_covers_model",
+    "check_observed_finite",
+    "check_space_vectorized",
+    "check_vectorized_log_joint",
+]
 
 
 _VECTORIZATION_FIX = (
@@ -241,6 +247,33 @@ def check_vectorized_log_joint(
                         + f"; {_shapes_text(names, single, model_trace, num_draws)}. "
                         f"{_VECTORIZATION_FIX}"
                     )
+
+
+def check_space_vectorized(space, args, kwargs, init_loc, num_draws=3):
+    """:func:`check_vectorized_log_joint` of the model ``space`` scores, at ``num_draws``
+    packed draws around ``init_loc`` (unconstrained noise of sd 0.1), with the random
+    streams left as they were: the check for code that scores batches of packed latents
+    without a guide (particle methods, a guide's preconditioner search), run before it
+    scores any.
+
+    :param LatentSpace space: the packed space (:class:`~pyro_implicit.latent.LatentSpace`).
+    :param torch.Tensor init_loc: ``(D,)`` the centre of the draws.
+    """
+    with random_streams_kept():
+        with torch.no_grad():
+            noise = torch.randn(
+                num_draws, init_loc.shape[-1], dtype=init_loc.dtype, device=init_loc.device
+            )
+            values = space.unpack(init_loc + 0.1 * noise)
+        check_vectorized_log_joint(
+            space.model,
+            None,
+            args,
+            kwargs,
+            space.max_plate_nesting + 1,
+            num_draws=num_draws,
+            values=values,
+        )
 
 
 def _draw(site, index, shape, max_plate_nesting):

@@ -30,6 +30,7 @@ from pyro import poutine
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median
 from pyro.params.param_store import param_with_module_name
+from pyro.poutine.runtime import get_plates
 from torch.distributions import biject_to
 
 from ..contract import IMPLICIT_FLAG, implicit_site_info
@@ -437,6 +438,10 @@ class ImplicitAutoGuide(AutoContinuous):
         else:
             # the search runs the model: keep it off the caller's trace and param store
             space = LatentSpace.from_guide(self, args, kwargs)
+            # under a particle plate (a loss's, Predictive's) the check's own plate would
+            # collide with it, and the losses check once their first step is traced
+            if self._precondition_arg[0] is True and not get_plates():
+                self._check_search_vectorized(space, args, kwargs, init_loc.detach())
             with poutine.block():
                 try:
                     found = resolve_precondition(
@@ -467,6 +472,22 @@ class ImplicitAutoGuide(AutoContinuous):
                         "BNNs with pyro_implicit.bnn"
                     ) from e
         return found.diagonal() if dense is False else found
+
+    def _check_search_vectorized(self, space, args, kwargs, init_loc):
+        """The losses' vectorisation check before the search, which scores batches of draws:
+        a model that mixes them gives no error there, only a wrong preconditioner (each
+        draw's log-likelihood summed over every draw's predictions), and a guide called
+        outside a loss meets no other check."""
+        from ..elbo.checks import check_space_vectorized  # the losses import this module
+
+        try:
+            check_space_vectorized(space, args, kwargs, init_loc)
+        except VectorizationError as e:
+            raise VectorizationError(
+                f"{e} {type(self).__name__}'s preconditioner search scores such batches "
+                "too, before any loss: precondition=False (or a Preconditioner of your "
+                "own) leaves it out."
+            ) from None
 
     # ------------------------------------------------------------------ persistence
     def _store_name(self, name):

@@ -54,12 +54,8 @@ from pyro.optim import PyroOptim
 from pyro.poutine.util import site_is_subsample
 
 from ..compiled import BACKENDS
-from ..elbo.base import (
-    DIVERGENCE_ADVICE,
-    DivergenceError,
-    check_vectorized_log_joint,
-    particle_sum,
-)
+from ..elbo.base import DIVERGENCE_ADVICE, DivergenceError, particle_sum
+from ..elbo.checks import check_space_vectorized
 from ..elbo.kernel_ratio import _dense_gaussian
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import (
@@ -811,27 +807,12 @@ class ParticleInference:
             f"unconstrained space. The particles have diverged. {DIVERGENCE_ADVICE}"
         )
 
-    def _check_vectorized(self, args, kwargs, init_loc, num_draws=3):
-        """The losses' vectorisation check (:func:`~pyro_implicit.elbo.base.
-        check_vectorized_log_joint`) on a few draws around the initial location, before
-        any search or step, leaving the random streams as they were."""
-        if not self.check_vectorization:
-            return
-        with random_streams_kept():
-            with torch.no_grad():
-                noise = torch.randn(
-                    num_draws, init_loc.shape[-1], dtype=init_loc.dtype, device=init_loc.device
-                )
-                values = self.space.unpack(init_loc + 0.1 * noise)
-            check_vectorized_log_joint(
-                self.model,
-                None,
-                args,
-                kwargs,
-                self.max_plate_nesting + 1,
-                num_draws=num_draws,
-                values=values,
-            )
+    def _check_vectorized(self, args, kwargs, init_loc):
+        """The losses' vectorisation check (:func:`~pyro_implicit.elbo.checks.
+        check_space_vectorized`) on a few draws around the initial location, before any
+        search or step."""
+        if self.check_vectorization:
+            check_space_vectorized(self.space, args, kwargs, init_loc)
 
     @staticmethod
     def _norm(t):
