@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from pyro.distributions import constraints
 
+from .latent import NETWORK_WEIGHTS
+
 __all__ = ["BNNClassification", "BNNRegression", "mlp_forward"]
 
 _ACTIVATIONS = {
@@ -191,7 +193,11 @@ class _BNNBase:
             self.layer_names, self.layer_shapes, self.layer_prior_scales, strict=True
         ):
             scale = x.new_tensor(s)
-            w = pyro.sample(name, dist.Normal(loc, scale).expand(shape).to_event(2))
+            w = pyro.sample(
+                name,
+                dist.Normal(loc, scale).expand(shape).to_event(2),
+                infer={NETWORK_WEIGHTS: True},  # a guide's default noise is a network's
+            )
             weights.append(_drop_data_slot(w, self.max_plate_nesting))
         return weights
 

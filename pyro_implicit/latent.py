@@ -62,7 +62,9 @@ from .random_streams import random_streams_kept
 __all__ = [
     "DrawableFlatPrior",
     "LatentSpace",
+    "NETWORK_WEIGHTS",
     "completed_model",
+    "is_network",
     "plate_nesting",
     "preconditioner_of",
     "Preconditioner",
@@ -74,6 +76,12 @@ __all__ = [
 
 #: largest D for which the preconditioner is dense (a D x D Hessian, D model runs batched)
 DENSE_LIMIT = 2000
+
+#: the ``infer`` key that marks a model's sample site as a network's weights,
+#: ``pyro.sample(name, fn, infer={NETWORK_WEIGHTS: True})`` (:mod:`pyro_implicit.bnn`
+#: marks its layers): where such sites hold most of the latent coordinates, a guide's
+#: default noise is a network's (:func:`~pyro_implicit.guides.base.default_noise_dim`)
+NETWORK_WEIGHTS = "network_weights"
 
 #: model runs per batch when the Hessian is built row block by row block
 _HESSIAN_CHUNK = 256
@@ -487,6 +495,17 @@ def drawable_flat_prior(fn, name="?", like=None):
     if flat is fn:
         return drawable
     return drawable.to_event(fn.reinterpreted_batch_ndims)
+
+
+def is_network(trace, sizes):
+    """Whether the latent sites of ``trace`` marked :data:`NETWORK_WEIGHTS` hold more than
+    half of the packed coordinates; ``sizes``: ``{site: number of packed coordinates}``."""
+    marked = sum(
+        size
+        for name, size in sizes.items()
+        if trace.nodes[name]["infer"].get(NETWORK_WEIGHTS, False)
+    )
+    return 2 * marked > sum(sizes.values())
 
 
 def check_trace_shapes(trace, max_plate_nesting):

@@ -145,24 +145,25 @@ def test_each_method_gets_the_preconditioner_its_loss_asks_for(quartic_model):
 
 
 @pytest.mark.parametrize(
-    "source, dim, noise",
-    [("gaussian_vi", 300, "network"), ("laplace", 300, 300), ("gaussian_vi", 200, 200)],
+    "network, dim, noise", [(True, 300, "network"), (False, 300, 300), (True, 200, 200)]
 )
-def test_compares_livi_takes_a_networks_noise_around_a_wide_gaussian_fit(source, dim, noise):
-    """``livi`` in ``compare`` around a dense Gaussian fit beyond 256 latents (what the
-    search gives a network's weights) takes a network's noise: the default's D would make
-    each step form whole D x D Jacobians. Around a Laplace, or at most 256 latents, it
-    keeps the guide's default of D."""
+def test_compares_livi_takes_a_networks_noise_for_a_wide_network(network, dim, noise):
+    """``livi`` in ``compare`` around a dense Gaussian fit beyond 256 latents takes a
+    network's noise where they are a network's weights (marked ``NETWORK_WEIGHTS``, as
+    :mod:`pyro_implicit.bnn` marks them): D would make each step form whole D x D
+    Jacobians. Any other model, or one of at most 256 latents, keeps noise of D."""
     from pyro_implicit.diagnostics.methods import METHODS
     from pyro_implicit.guides.base import network_noise_dim
+    from pyro_implicit.latent import NETWORK_WEIGHTS
 
     def wide(x, y):
-        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([dim]).to_event(1))
+        prior = dist.Normal(0.0, 1.0).expand([dim]).to_event(1)
+        beta = pyro.sample("beta", prior, infer={NETWORK_WEIGHTS: network})
         with pyro.plate("data", y.shape[-1]):
-            pyro.sample("obs", dist.Normal((x * beta.unsqueeze(-2)).sum(-1), 1.0), obs=y)
+            pyro.sample("obs", dist.Normal((x * beta).sum(-1), 1.0), obs=y)
 
     x, y = torch.randn(2 * dim, dim), torch.randn(2 * dim)
-    pre = Preconditioner(torch.zeros(dim), scale_tril=torch.eye(dim), source=source)
+    pre = Preconditioner(torch.zeros(dim), scale_tril=torch.eye(dim), source="gaussian_vi")
     pyro.clear_param_store()
     guide, _ = METHODS["livi"].build(wide, 1, precondition=pre)
     guide(x, y)

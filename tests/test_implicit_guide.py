@@ -637,27 +637,30 @@ def test_a_restored_guide_keeps_its_ntk_layers(path, tmp_path):
 @pytest.mark.parametrize("guide_class", [ImplicitGuide, LinearizedGuide])
 @pytest.mark.parametrize("path", ["param_store", "state_dict"])
 def test_a_restored_guide_rebuilds_the_noise_it_was_saved_with(guide_class, path, tmp_path):
-    """Beyond 256 latents a dense Gaussian fit (what the search gives a network's weights)
-    gives a network's noise. Restored, the preconditioner is the stored factor, for which
-    the default would be noise of D: the saved size is rebuilt instead, and the draws are
-    the saved guide's."""
+    """A guide built with other noise than its default (here a network's, whose weights
+    are marked) rebuilds the size it was saved with when restored, not the default for
+    the restored model (here unmarked: noise of D), and draws as the saved guide did."""
     from pyro_implicit.guides.base import network_noise_dim
-    from pyro_implicit.latent import Preconditioner
+    from pyro_implicit.latent import NETWORK_WEIGHTS, Preconditioner
 
     dim = 300
     x, y = torch.randn(20, dim), torch.randn(20)
 
-    def wide(x, y):
-        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([dim]).to_event(1))
-        with pyro.plate("data", y.shape[-1]):
-            pyro.sample("obs", dist.Normal((x * beta.unsqueeze(-2)).sum(-1), 1.0), obs=y)
+    def wide(network):
+        def model(x, y):
+            prior = dist.Normal(0.0, 1.0).expand([dim]).to_event(1)
+            beta = pyro.sample("beta", prior, infer={NETWORK_WEIGHTS: network})
+            with pyro.plate("data", y.shape[-1]):
+                pyro.sample("obs", dist.Normal((x * beta).sum(-1), 1.0), obs=y)
+
+        return model
 
     fit = Preconditioner(torch.zeros(dim), scale_tril=0.1 * torch.eye(dim), source="gaussian_vi")
     pyro.clear_param_store()
-    guide = guide_class(wide, precondition=fit)
+    guide = guide_class(wide(True), precondition=fit)
     guide(x, y)
     assert guide.noise_dim == network_noise_dim(dim)
-    build = functools.partial(guide_class, wide)
+    build = functools.partial(guide_class, wide(False))
     draws, restored = _saved_and_restored(guide, build, path, tmp_path, x, y)
     assert restored.noise_dim == guide.noise_dim
     _assert_seeded_draws(restored, draws)

@@ -36,6 +36,7 @@ from torch.distributions import biject_to
 from ..contract import IMPLICIT_FLAG, implicit_site_info
 from ..errors import UnsupportedModelError, VectorizationError, check_count
 from ..latent import (
+    DENSE_LIMIT,
     LatentSpace,
     Preconditioner,
     check_fixed_supports,
@@ -43,6 +44,7 @@ from ..latent import (
     check_no_subsampled_local_latents,
     check_precondition,
     completed_model,
+    is_network,
     prototype_errors_named,
     resolve_precondition,
 )
@@ -320,17 +322,17 @@ class ImplicitAutoGuide(AutoContinuous):
     def _default_noise_dim(self, latent_dim):
         """The noise of ``latent_dim`` coordinates: the size the guide was saved with where
         it is being restored (param store or ``state_dict``), else :func:`default_noise_dim`
-        under this guide's preconditioner, full-rank where its dense factor is the
-        Laplace's or the user's. A dense Gaussian *fit* beyond
-        :data:`FULL_RANK_NOISE_LIMIT` latents is what the search gives a network's weights
-        (the fit from the Laplace start, where the Laplace failed its check): it keeps a
-        network's noise."""
+        for this model (a network's weights, marked
+        :data:`~pyro_implicit.latent.NETWORK_WEIGHTS`, or not) and this guide's
+        preconditioner."""
         saved = getattr(self, "_saved_noise", None)
         if saved is not None and latent_dim == self.latent_dim:
             return saved
-        pre = self.preconditioner
+        sizes = {name: math.prod(shape) for name, shape in self._unconstrained_shapes.items()}
         return default_noise_dim(
-            latent_dim, dense=pre.kind == "dense" and pre.source != "gaussian_vi"
+            latent_dim,
+            dense=self.preconditioner.kind == "dense",
+            network=is_network(self.prototype_trace, sizes),
         )
 
     def _noise_size_now(self):
@@ -932,34 +934,38 @@ _FIXED_DRAWS_SEED = 0
 FULL_RANK_NOISE_LIMIT = 256
 
 
-def default_noise_dim(latent_dim, dense=False):
-    """Noise size scaled to D: D up to :data:`FULL_RANK_NOISE_LIMIT`, and at any D where
-    ``dense`` (the guide's preconditioner is a dense Laplace or a user's: a full-rank q is
-    reachable, and the guide starts at the preconditioner's Gaussian); beyond that limit
-    otherwise (a diagonal preconditioner, more than
-    :data:`~pyro_implicit.latent.DENSE_LIMIT` latents, or a dense Gaussian fit: a
-    network's weights) :func:`network_noise_dim`.
+def default_noise_dim(latent_dim, dense=False, network=False):
+    """Noise size scaled to D: D up to :data:`FULL_RANK_NOISE_LIMIT`; beyond it a
+    network's (:func:`network_noise_dim`) for a network's weights (``network``: sites
+    marked :data:`~pyro_implicit.latent.NETWORK_WEIGHTS` hold most coordinates, as in
+    :mod:`pyro_implicit.bnn`), D for any other model up to
+    :data:`~pyro_implicit.latent.DENSE_LIMIT` coordinates and at any D where ``dense``
+    (the guide's preconditioner has a dense factor), and a network's beyond.
 
-    A network's weights beyond the limit get the Gaussian fit from the Laplace start
-    (:func:`~pyro_implicit.latent.find_preconditioner`). Around it a network's noise and
-    noise of D gave ``kivi`` the same test log-likelihood within a seed's spread on the
-    ``energy`` BNN (-1.500 and -1.511, ``audit_probes_s61.md`` section 5), and
-    ``LinearizedGuide`` with ``LIVI_ELBO(num_particles=32)`` 99 ms a step and -1.328 with
-    87 values against 1037 ms and -1.497 with 502
-    (``benchmarks/results/preconditioner_start_likelihood.md``).
-
-    With less noise than D a generator's draws lie on a d-dimensional surface: on a
-    150-coefficient regression with an exact Gaussian posterior (``wide_blr`` of
+    With less noise than D a generator's draws lie on a d-dimensional surface. A network's
+    predictions do not need more: around the Gaussian fit of the ``energy`` BNN a
+    network's noise and noise of D gave ``kivi`` the same test log-likelihood within a
+    seed's spread (-1.500 and -1.511, ``audit_probes_s61.md`` section 5), and
+    ``LinearizedGuide`` with ``LIVI_ELBO(num_particles=32)`` took 99 ms a step and -1.328
+    with 87 values against 1037 ms and -1.497 with 502
+    (``benchmarks/results/preconditioner_start_likelihood.md``). Any other posterior
+    does: on the non-centred hierarchical logistic regression with 296 groups (D = 300)
+    ``SteinScoreELBO``'s draws with a network's 81 values had 198 of 300 whitened
+    variances below 0.05 and marginal sds a median 0.27 of the Gaussian fit's; with 300
+    values one such variance, and sds a median 1.00 of the fit's
+    (``benchmarks/results/preconditioner_decisive_likelihood.md``); on
+    a 150-coefficient regression with an exact Gaussian posterior (``wide_blr`` of
     :mod:`pyro_implicit.targets.conjugate`, ``benchmarks/results/wide_blr_defaults.md``)
-    the 73 of :func:`network_noise_dim` left ``KernelRatioELBO``'s fit with correlation
-    errors of 0.3 before its first step and 0.6 after 2000, where 150 start and end at
-    the exact posterior; on 300 coefficients, whose preconditioner is dense, the 76 of a
-    network left it 0.68 off after 2000 steps (``audit_probes_s61.md``).
+    73 values left ``KernelRatioELBO``'s fit with correlation errors of 0.6 after 2000
+    steps, where 150 end at the exact posterior.
 
-    :param bool dense: whether the guide's preconditioner is a dense Laplace or a user's."""
-    if latent_dim <= FULL_RANK_NOISE_LIMIT or dense:
+    :param bool dense: whether the guide's preconditioner has a dense factor.
+    :param bool network: whether the latent is mostly a network's weights."""
+    if latent_dim <= FULL_RANK_NOISE_LIMIT:
         return max(latent_dim, 2)
-    return network_noise_dim(latent_dim)
+    if network or not (dense or latent_dim <= DENSE_LIMIT):
+        return network_noise_dim(latent_dim)
+    return latent_dim
 
 
 def network_noise_dim(latent_dim):
