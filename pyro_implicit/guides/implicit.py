@@ -53,12 +53,12 @@ class ImplicitGuide(ImplicitAutoGuide):
         one that also takes ``scaled`` is passed the guide's layers as
         :class:`~pyro_implicit.guides.networks.MLPGenerator`'s ``scaled``, ``False``,
         ``True`` or ``"ntk"``, as :func:`gpvi_generator`'s is).
-    :param int noise_dim: noise size (default scaled to D: D up to 256, and at any D
-        where the preconditioner is a dense Laplace or a user's, so that q can be
-        full-rank and start at the preconditioner's Gaussian; beyond 256 otherwise, a
-        network's size, 64 growing slowly:
-        :func:`~pyro_implicit.guides.base.default_noise_dim`; a restored guide, the size
-        it was saved with). With
+    :param int noise_dim: noise size (default D, but beyond 256 latents a network's size,
+        64 growing slowly, for a network's weights (sites marked
+        :data:`~pyro_implicit.latent.NETWORK_WEIGHTS`, as :mod:`pyro_implicit.bnn` marks
+        them) and beyond :data:`~pyro_implicit.latent.DENSE_LIMIT` latents without a dense
+        factor: :func:`~pyro_implicit.guides.base.default_noise_dim`; a restored guide, the
+        size it was saved with). With
         ``per_site=True`` it is
         the noise size per site (default scaled to each site).
     :param tuple hidden_dims: MLP hidden widths (default two layers of

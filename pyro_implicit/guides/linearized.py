@@ -83,28 +83,27 @@ class LinearizedGuide(ImplicitAutoGuide):
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), LIVI_ELBO())
 
     :param callable model: a Pyro model with continuous latent sites.
-    :param int noise_dim: d, the size of z (default: D up to 256 latents and at any D
-        where the preconditioner is a dense Laplace or a user's, else a network's size,
-        growing slowly: :func:`~pyro_implicit.guides.base.default_noise_dim`; a restored
-        guide, the size it was saved with; the
+    :param int noise_dim: d, the size of z (default: D, but beyond 256 latents a
+        network's size, growing slowly, for a network's weights (sites marked
+        :data:`~pyro_implicit.latent.NETWORK_WEIGHTS`, as :mod:`pyro_implicit.bnn` marks
+        them) and beyond :data:`~pyro_implicit.latent.DENSE_LIMIT` latents without a dense
+        factor: :func:`~pyro_implicit.guides.base.default_noise_dim`; a restored guide,
+        the size it was saved with; the
         paper uses 60-85 for its toy, 4 225 for MNIST, 16 900 for CIFAR). With d < D, q is
         a d-dimensional surface widened by :math:`\sigma` only: on a posterior that is not
         low-rank the fit shrinks its marginals (the best of such a family has sds about
         :math:`\sqrt{d/D}` of the posterior's where it is isotropic). On the
         150-coefficient regression ``wide_blr`` (``benchmarks/results/wide_blr_defaults.md``)
         d = 73 (the network rule this default had above 64 latents) ended with sd ratios
-        0.54-0.89, d = 150 within the exact-posterior bar. Beyond 256 latents with a
-        diagonal preconditioner (beyond :data:`~pyro_implicit.latent.DENSE_LIMIT`, or
-        ``precondition=False``) or a dense Gaussian fit, on a posterior that is not a
-        network's, pass
-        ``noise_dim=D``, or prefer
+        0.54-0.89, d = 150 within the exact-posterior bar. Beyond
+        :data:`~pyro_implicit.latent.DENSE_LIMIT` latents without a dense factor, on a
+        posterior that is not a network's, pass ``noise_dim=D``, or prefer
         ``SemiImplicitGuide`` or ``ImplicitGuide``. Noise of D makes ``LIVI_ELBO``'s
         default bound form D x D Jacobians: on regressions of D = 300 / 600 / 1000 a step
         took 82 / 387 / 1340 ms against 22 / 42 / 119 ms with a network's noise, which
         left the fit's sd ratios at 0.44-0.62 (``benchmarks/results/audit_probes_s61.md``
         section 5); where that is too slow, ``LIVI_ELBO(bound="svd")`` needs no whole
-        Jacobian. A network's weights beyond 256 latents get a dense Gaussian fit (from
-        the Laplace start), which keeps a network's noise: on the ``energy`` BNN (D = 502)
+        Jacobian. A network's weights keep a network's noise: on the ``energy`` BNN (D = 502)
         a step of ``LIVI_ELBO(num_particles=32)`` took 99 ms with 87 noise values and
         1037 ms with 502, which ended no better (test log-likelihood -1.328 and -1.497;
         ``benchmarks/results/preconditioner_start_likelihood.md``). With

@@ -16,7 +16,8 @@ synthetic, drawn from a fixed seed.
   sizes where the defaults change (``LinearizedGuide``'s noise size below D above 64
   latents, ``SteinScoreELBO``'s 100 draws above 100);
 * ``wider_blr``: the same with 300 coefficients and 800 rows, beyond 256 latents (where a
-  generator's default noise is a network's size unless the preconditioner is dense).
+  generator's default noise was a network's size unless the preconditioner was dense;
+  since bf92596 only a network's weights get it).
 """
 
 import dataclasses
