@@ -660,6 +660,8 @@ class LatentSpace:
             raise ValueError("the model has no latent sample sites")
         self.sites = sites
         self.latent_dim = pos
+        #: whether the latent is mostly a network's weights (:func:`is_network`)
+        self.network = is_network(prototype_trace, {s.name: s.stop - s.start for s in sites})
         first = prototype_trace.nodes[sites[0].name]["value"]
         self.dtype, self.device = first.dtype, first.device
 
@@ -1591,8 +1593,9 @@ def find_preconditioner(
        network's weights the ELBO ranks a near-constant network first, a poor start for
        the methods) goes on in rounds of ``vi_steps`` while a round raises its mean
        ELBO by more than ``vi_tol`` nats (up to ``vi_max_steps`` steps in all; ``None``:
-       :data:`_VI_MAX_STEPS` up to :data:`_VI_DENSE_LIMIT` coordinates, beyond that
-       ``vi_steps``), then settles in a last round whose rate decays tenfold. With no
+       :data:`_VI_MAX_STEPS`, but ``vi_steps`` for a network's weights beyond
+       :data:`_VI_DENSE_LIMIT` coordinates, ``space.network``), then settles in a last
+       round whose rate decays tenfold. With no
        room for rounds the starts race for a third of a round and the leader finishes
        it, its rate decaying. On a model that subsamples its
        data each step of the fit scores one minibatch (seeded by ``seed``), as SVI does;
@@ -1718,13 +1721,16 @@ def find_preconditioner(
             # beyond the dense limit the fit only rescales (and shifts) L's columns:
             # fewer draws per step suffice for D + D parameters
             draws = vi_draws if dim <= _VI_DENSE_LIMIT else max(4, vi_draws // 2)
-            # there, too, a network's weights: a fit of their scales improves for
-            # thousands of steps, and rounds until it stops cost more than the 10% of a
-            # default fit the set-up may take (a BNN on boston: 14%,
-            # precondition_cost.md), so one round per start, its rate decayed, is all
+            # a network's weights beyond it: a fit of their scales improves for thousands
+            # of steps, and rounds until it stops cost more than the 10% of a default fit
+            # the set-up may take (a BNN on boston: 14%, precondition_cost.md), so one
+            # round per start, its rate decayed, is all. Any other model goes on in
+            # rounds: a 296-group hierarchical regression's fit after one round was 8 NUTS
+            # sds off in its scale, after rounds 0.06 (preconditioner_decisive_likelihood.md)
             max_steps = vi_max_steps
             if max_steps is None:
-                max_steps = _VI_MAX_STEPS if dim <= _VI_DENSE_LIMIT else vi_steps
+                one_round = dim > _VI_DENSE_LIMIT and space.network
+                max_steps = vi_steps if one_round else _VI_MAX_STEPS
             rounds = max_steps >= 3 * vi_steps  # a first round, one more, the settling one
             # without rounds the starts race for a third of the round and only the better
             # one finishes it, its rate decaying: two full rounds were 2 s of a BNN's set-up
