@@ -953,10 +953,10 @@ def default_noise_dim(latent_dim, dense=False, network=False):
     with 87 values against 1037 ms and -1.497 with 502
     (``benchmarks/results/preconditioner_start_likelihood.md``). Any other posterior
     does: on the non-centred hierarchical logistic regression with 296 groups (D = 300)
-    ``SteinScoreELBO``'s draws with a network's 81 values had 198 of 300 whitened
-    variances below 0.05 and marginal sds a median 0.27 of the Gaussian fit's; with 300
-    values one such variance, and sds a median 1.00 of the fit's
-    (``benchmarks/results/preconditioner_decisive_likelihood.md``); on
+    ``SteinScoreELBO``'s draws with a network's 81 values had marginal sds a median 0.18
+    of NUTS's, with 300 values 0.65 around the search's one-round Gaussian fit and 0.99
+    around its fit in rounds
+    (``benchmarks/results/preconditioner_decisive_likelihood.md`` sections 4 and 7); on
     a 150-coefficient regression with an exact Gaussian posterior (``wide_blr`` of
     :mod:`pyro_implicit.targets.conjugate`, ``benchmarks/results/wide_blr_defaults.md``)
     73 values left ``KernelRatioELBO``'s fit with correlation errors of 0.6 after 2000
