@@ -966,7 +966,7 @@ def default_noise_dim(latent_dim, dense=False, network=False):
     :param bool network: whether the latent is mostly a network's weights."""
     if latent_dim <= FULL_RANK_NOISE_LIMIT:
         return max(latent_dim, 2)
-    if network or not (dense or latent_dim <= DENSE_LIMIT):
+    if network or (latent_dim > DENSE_LIMIT and not dense):
         return network_noise_dim(latent_dim)
     return latent_dim
 
