@@ -282,7 +282,11 @@ class KernelRatioELBO(ImplicitELBO):
         random-walks, 0.30-0.57 posterior sds on an exact Gaussian posterior at two of five
         seeds (0.03-0.08 at all five with ``"affine"``,
         ``benchmarks/results/kivi_stein_identity.md``). Beyond ``num_particles - 2``
-        dimensions per group only the mean is corrected.
+        dimensions per group only the mean is corrected, and there the estimate's gradient
+        says nothing of q's spread (about the same at every width in 300 dimensions from
+        100 draws; ``benchmarks/results/audit_probes_s64.md``, section 1). UCI BNNs' fits
+        did not change when that gradient was made exact; on a 300-latent hierarchical
+        model the learning rate and the start set q's spread.
     :param exact_sites: names of latent sites whose guide has a density, such as the
         explicit Gamma q of a noise precision in KIVI's UCI models (App. E), composed with
         an implicit guide through Pyro's ``AutoGuideList`` (a hand-written guide or any of
