@@ -18,6 +18,7 @@ from .elbo import (
 from .errors import (
     DataError,
     DivergenceError,
+    FewParticlesWarning,
     ModelError,
     PairingError,
     PyroImplicitError,
@@ -42,6 +43,7 @@ logging.getLogger("pyro_implicit").addHandler(logging.NullHandler())
 __all__ = [
     "DataError",
     "DivergenceError",
+    "FewParticlesWarning",
     "ModelError",
     "PairingError",
     "PyroImplicitError",

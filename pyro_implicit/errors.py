@@ -11,8 +11,10 @@
 * :class:`DivergenceError`: a fit that has diverged (not a bad input: a run that went
   wrong).
 
-One warning lives here too: :class:`RunawayWarning`, a fit whose estimator has left the
-region where it is accurate (every number finite, the posterior not to be trusted).
+Two warnings live here too: :class:`RunawayWarning`, a fit whose estimator has left the
+region where it is accurate (every number finite, the posterior not to be trusted), and
+:class:`FewParticlesWarning`, a particle method set up with too few particles for its
+latent dimension.
 
 Each is also the built-in exception these problems raised before it existed
 (``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
@@ -26,6 +28,7 @@ import numbers
 __all__ = [
     "DataError",
     "DivergenceError",
+    "FewParticlesWarning",
     "ModelError",
     "PairingError",
     "PyroImplicitError",
@@ -86,3 +89,10 @@ class RunawayWarning(UserWarning):
     """A fit's draws have moved where its estimator is known to fail (e.g.
     ``KernelRatioELBO``'s kernel ratio far from its contrast): the numbers may all be finite,
     but the posterior should not be trusted. The message names what to use instead."""
+
+
+class FewParticlesWarning(UserWarning):
+    """A particle method has too few particles for its latent dimension: SVGD's particles
+    lose spread as the dimension grows against their number (Ba et al., 2022,
+    *Understanding the variance collapse of SVGD in high dimensions*), and a scale that
+    many latents share drifts to make up for it. The message gives the count to pass."""
