@@ -2,7 +2,9 @@
 forms: reference formulas, pyro.infer.SVGD, exact reductions and the exact-GP toy of the
 paper's Appendix C."""
 
+import contextlib
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -12,6 +14,7 @@ from pyro.infer import SVGD, Predictive, RBFSteinKernel
 
 from pyro_implicit.bnn import BNNRegression, mlp_forward
 from pyro_implicit.elbo import VectorizationError
+from pyro_implicit.errors import FewParticlesWarning
 from pyro_implicit.kernels import IMQKernel, RBFKernel, svgd_bandwidth_factor
 from pyro_implicit.particles import (
     METHODS,
@@ -22,7 +25,9 @@ from pyro_implicit.particles import (
     stein_direction,
 )
 from pyro_implicit.particles.svgd import (
+    FEW_PARTICLES_DIM,
     GFSF_JITTER,
+    MIN_PARTICLES_PER_DIM,
     WHITENED_BANDWIDTH_FACTOR,
     auto_num_particles,
 )
@@ -184,7 +189,9 @@ def test_preconditioned_default_kernel_keeps_a_standard_gaussians_spread():
     exact posterior keep their spread under the default kernel (1.4 median distances): mean
     sd 0.93 after 1000 steps, where the median distance itself shrinks it to 0.88."""
     svgd = WeightSpaceSVGD(_gaussian_of_dim(100), pyro.optim.Adam({"lr": 1e-2}), 100, 0)
-    for _ in range(1000):
+    with pytest.warns(FewParticlesWarning):  # one per coordinate: it holds here, a Gaussian
+        svgd.step()
+    for _ in range(999):
         svgd.step()
     assert svgd.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR == 1.4
     sd = svgd.get_named_particles()["x"].std(0)
@@ -193,14 +200,41 @@ def test_preconditioned_default_kernel_keeps_a_standard_gaussians_spread():
 
 @pytest.mark.parametrize("dim, expected", [(2, 100), (5, 150), (33, 300), (200, 300)])
 def test_auto_particle_count_follows_the_latent_size(dim, expected):
+    few = dim > FEW_PARTICLES_DIM  # beyond it the automatic count is too few, and says so
     svgd = WeightSpaceSVGD(_gaussian_of_dim(dim), pyro.optim.Adam({"lr": 1e-2}))
-    svgd.step()
+    with pytest.warns(FewParticlesWarning) if few else contextlib.nullcontext():
+        svgd.step()
     assert svgd.num_particles == expected == auto_num_particles(dim)
     assert svgd.particles.shape == (expected, dim)
     # the raw space's default kernel counts the particles it ends with
     raw = WeightSpaceSVGD(_gaussian_of_dim(dim), pyro.optim.Adam({"lr": 1e-2}), precondition=False)
-    raw.step()
+    with pytest.warns(FewParticlesWarning) if few else contextlib.nullcontext():
+        raw.step()
     assert raw.kernel.bandwidth_factor == pytest.approx(svgd_bandwidth_factor(expected))
+
+
+def test_few_particles_for_many_latents_warn_unless_a_network():
+    """SVGD's particles lose spread as the dimension grows against their number, and on a
+    hierarchical model the scale the groups share drifts to make up for it (300 particles:
+    0.36-4.65 NUTS sds off at 100-300 latents, unseen by the Stein discrepancy;
+    ``benchmarks/results/audit_probes_s64.md`` section 4). Beyond FEW_PARTICLES_DIM latents
+    that are not a network's weights, fewer than MIN_PARTICLES_PER_DIM particles per
+    coordinate warn at the first step, naming the count to pass."""
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    dim = FEW_PARTICLES_DIM + 1
+    with pytest.warns(FewParticlesWarning, match=f"num_particles={MIN_PARTICLES_PER_DIM * dim}"):
+        WeightSpaceSVGD(_gaussian_of_dim(dim), optim).step()
+    with pytest.warns(FewParticlesWarning):  # the raw space's particles too
+        WeightSpaceSVGD(_gaussian_of_dim(dim), optim, precondition=False).step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WeightSpaceSVGD(_gaussian_of_dim(FEW_PARTICLES_DIM), optim).step()
+        WeightSpaceSVGD(_gaussian_of_dim(dim), optim, MIN_PARTICLES_PER_DIM * dim).step()
+        # a network's weights (pyro_implicit.bnn marks them): 4 particles for 161
+        net = BNNRegression(2, (40,), precision_prior=None, noise_scale=0.3)
+        svgd = WeightSpaceSVGD(net, optim, 4, max_plate_nesting=1)
+        svgd.step(torch.randn(20, 2), torch.randn(20))
+        assert svgd.latent_dim == 161
 
 
 def test_auto_particle_count_defers_to_a_start_a_checkpoint_and_refuses_a_layout():
