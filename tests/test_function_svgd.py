@@ -14,8 +14,9 @@ from pyro.infer import SVGD, Predictive, RBFSteinKernel
 
 from pyro_implicit.bnn import BNNRegression, mlp_forward
 from pyro_implicit.elbo import VectorizationError
-from pyro_implicit.errors import FewParticlesWarning
+from pyro_implicit.errors import FewParticlesWarning, RunawayWarning
 from pyro_implicit.kernels import IMQKernel, RBFKernel, svgd_bandwidth_factor
+from pyro_implicit.latent import Preconditioner
 from pyro_implicit.particles import (
     METHODS,
     FunctionSpaceSVGD,
@@ -235,6 +236,33 @@ def test_few_particles_for_many_latents_warn_unless_a_network():
         svgd = WeightSpaceSVGD(net, optim, 4, max_plate_nesting=1)
         svgd.step(torch.randn(20, 2), torch.randn(20))
         assert svgd.latent_dim == 161
+
+
+def test_particles_that_leave_the_preconditioner_warn_once():
+    """The particles' mean, in the preconditioner's sds, stayed within 3.3 on the stiff
+    posteriors over 5000 steps and 4.7 on UCI BNNs; runs past RUNAWAY_DRIFT (12) had drifted
+    off (``benchmarks/results/audit_probes_s64.md`` section 4). A preconditioner ten times
+    too narrow, about a point 5 posterior sds off, puts the posterior's mean 50 of its sds
+    away: the particles pass 12 on the way there and warn, once. With the exact posterior as
+    preconditioner they do not."""
+
+    def model():
+        pyro.sample("x", dist.Normal(torch.full((2,), 5.0), 1.0).to_event(1))
+
+    optim = pyro.optim.Adam({"lr": 0.1})
+    wrong = Preconditioner(loc=torch.zeros(2), scale=torch.full((2,), 0.1))
+    svgd = WeightSpaceSVGD(model, optim, 50, 0, precondition=wrong)
+    with pytest.warns(RunawayWarning, match="particles' mean has moved") as record:
+        for _ in range(400):
+            svgd.step()
+    assert sum(w.category is RunawayWarning for w in record) == 1
+    assert svgd.particles.mean(0).min() > 12  # it had passed the bound
+    exact = Preconditioner(loc=torch.full((2,), 5.0), scale=torch.ones(2))
+    svgd = WeightSpaceSVGD(model, optim, 50, 0, precondition=exact)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(400):
+            svgd.step()
 
 
 def test_auto_particle_count_defers_to_a_start_a_checkpoint_and_refuses_a_layout():

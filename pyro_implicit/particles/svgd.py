@@ -55,10 +55,16 @@ from pyro.optim import PyroOptim
 from pyro.poutine.util import site_is_subsample
 
 from ..compiled import BACKENDS
-from ..elbo.base import DIVERGENCE_ADVICE, DivergenceError, particle_sum
+from ..elbo.base import (
+    DIVERGENCE_ADVICE,
+    RUNAWAY_CHECK_EVERY,
+    RUNAWAY_DRIFT,
+    DivergenceError,
+    particle_sum,
+)
 from ..elbo.checks import check_space_vectorized
 from ..elbo.kernel_ratio import _dense_gaussian
-from ..errors import FewParticlesWarning
+from ..errors import FewParticlesWarning, RunawayWarning
 from ..kernels import RBFKernel, kernel_and_derivative, squared_distances, svgd_bandwidth_factor
 from ..latent import (
     LatentSpace,
@@ -1039,6 +1045,8 @@ class WeightSpaceSVGD(ParticleInference):
         self.compile = compile or None
         # the default kernel of the raw space counts the particles (Liu & Wang's rule)
         self._count_kernel = kernel is None and (precondition is False or precondition is None)
+        self._warned_drift = False  # the runaway warning is given once
+        self._steps_since_drift_check = 0
 
     def _choose_count(self, num_particles):
         """Fix the ``"auto"`` particle count (and the default kernel that counts them)."""
@@ -1213,12 +1221,48 @@ class WeightSpaceSVGD(ParticleInference):
         # the model's parameters descend minus the particles' mean log-joint (all N of them)
         n = particles.shape[0]
         self._apply(d.direction, [None if g is None else -g / n for g in param_grads])
+        self._check_drift()
         return {
             "attractive": self._norm(d.drive),
             "repulsive": self._norm(d.repulsion),
             "bandwidth": d.bandwidth.item(),
             "log_joint": log_joint.detach().mean().item(),
         }
+
+    def _check_drift(self):
+        """Warn once (:class:`~pyro_implicit.errors.RunawayWarning`) when the particles' mean
+        has moved :data:`~pyro_implicit.elbo.base.RUNAWAY_DRIFT` of the preconditioner's sds
+        from its mean (largest over coordinates; every
+        :data:`~pyro_implicit.elbo.base.RUNAWAY_CHECK_EVERY` steps). Fits that held stayed
+        within 3.3 (the stiff posteriors, seeds 0-1, up to 5000 steps) and 4.7 (UCI BNNs of
+        402 and 752 weights); past 12 went runs whose particles had lost their spread (a
+        300-latent hierarchical regression, 10.5 NUTS sds off after 5000 steps) and the
+        w-SGLD and pi-SGLD rules at 150 latents (8.6 off;
+        ``benchmarks/results/audit_probes_s64.md`` section 4)."""
+        self._steps_since_drift_check += 1
+        if (
+            self._warned_drift
+            or self.preconditioner.is_identity
+            or self._steps_since_drift_check < RUNAWAY_CHECK_EVERY
+        ):
+            return
+        self._steps_since_drift_check = 0
+        drift = self.particles.detach().mean(0).abs().max().item()
+        if not drift > RUNAWAY_DRIFT:
+            return
+        self._warned_drift = True
+        warnings.warn(
+            f"{type(self).__name__}: the particles' mean has moved {drift:.1f} of the "
+            "preconditioner's sds from the preconditioner's mean, where fits that held "
+            "stayed within 5 (the stiff posteriors over 5000 steps, UCI BNNs). Runs past "
+            f"{RUNAWAY_DRIFT:.0f} had drifted off: particles too few for the dimension (a "
+            "300-latent hierarchical regression ended 10.5 NUTS sds off) or the w-SGLD and "
+            "pi-SGLD rules at 150 latents (8.6 off). Check this fit against NUTS "
+            "(pyro_implicit.compare) before trusting it; more particles (num_particles) and "
+            "SVGD's own rule (method='svgd') are the first things to try.",
+            RunawayWarning,
+            stacklevel=3,
+        )
 
     def _prime(self, args, kwargs):
         self._scores(args, kwargs, True)
