@@ -1234,8 +1234,9 @@ class WeightSpaceSVGD(ParticleInference):
         has moved :data:`~pyro_implicit.elbo.base.RUNAWAY_DRIFT` of the preconditioner's sds
         from its mean (largest over coordinates; every
         :data:`~pyro_implicit.elbo.base.RUNAWAY_CHECK_EVERY` steps). Fits that held stayed
-        within 3.3 (the stiff posteriors, seeds 0-1, up to 5000 steps) and 4.7 (UCI BNNs of
-        402 and 752 weights); past 12 went runs whose particles had lost their spread (a
+        within 3.3 (the eight stiff posteriors at seeds 0-1 over 2000 steps, the three whose
+        drift grew over 5000 at seed 0) and 4.7 (UCI BNNs of 402 and 752 weights); past 12
+        went runs whose particles had lost their spread (a
         300-latent hierarchical regression, 10.5 NUTS sds off after 5000 steps) and the
         w-SGLD and pi-SGLD rules at 150 latents (8.6 off;
         ``benchmarks/results/audit_probes_s64.md`` section 4)."""
@@ -1254,7 +1255,7 @@ class WeightSpaceSVGD(ParticleInference):
         warnings.warn(
             f"{type(self).__name__}: the particles' mean has moved {drift:.1f} of the "
             "preconditioner's sds from the preconditioner's mean, where fits that held "
-            "stayed within 5 (the stiff posteriors over 5000 steps, UCI BNNs). Runs past "
+            "stayed within 5 (the stiff posteriors, up to 5000 steps; UCI BNNs). Runs past "
             f"{RUNAWAY_DRIFT:.0f} had drifted off: particles too few for the dimension (a "
             "300-latent hierarchical regression ended 10.5 NUTS sds off) or the w-SGLD and "
             "pi-SGLD rules at 150 latents (8.6 off). Check this fit against NUTS "
