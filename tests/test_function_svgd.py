@@ -30,6 +30,8 @@ from pyro_implicit.particles.svgd import (
     GFSF_JITTER,
     MIN_PARTICLES_PER_DIM,
     WHITENED_BANDWIDTH_FACTOR,
+    WIDE_BANDWIDTH_DIM,
+    WIDE_BANDWIDTH_FACTOR,
     auto_num_particles,
 )
 
@@ -236,6 +238,37 @@ def test_few_particles_for_many_latents_warn_unless_a_network():
         svgd = WeightSpaceSVGD(net, optim, 4, max_plate_nesting=1)
         svgd.step(torch.randn(20, 2), torch.randn(20))
         assert svgd.latent_dim == 161
+        # and its kernel stays the narrower one beyond WIDE_BANDWIDTH_DIM
+        assert svgd.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR
+
+
+def test_the_default_kernel_widens_beyond_100_latents_unless_a_network():
+    """Beyond WIDE_BANDWIDTH_DIM latents that are not a network's weights the whitened
+    particles' default kernel is WIDE_BANDWIDTH_FACTOR median distances (three hierarchical
+    models of about 150 latents: 0.37-1.43 -> 0.25-0.37 NUTS sds off with 300 particles;
+    ``benchmarks/results/audit_probes_s64.md`` section 4); at or below it, in the raw space
+    and for a kernel of the caller's, nothing changes."""
+    optim = pyro.optim.Adam({"lr": 1e-2})
+    dim = WIDE_BANDWIDTH_DIM + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FewParticlesWarning)  # 300 particles are too few
+        wide = WeightSpaceSVGD(_gaussian_of_dim(dim), optim)
+        wide.step()
+        narrow = WeightSpaceSVGD(_gaussian_of_dim(WIDE_BANDWIDTH_DIM), optim)
+        narrow.step()
+        raw = WeightSpaceSVGD(_gaussian_of_dim(dim), optim, precondition=False)
+        raw.step()
+        own = RBFKernel(bandwidth_factor=0.5)
+        given = WeightSpaceSVGD(_gaussian_of_dim(dim), optim, kernel=own)
+        given.step()
+    assert WIDE_BANDWIDTH_FACTOR == 3.0 and WHITENED_BANDWIDTH_FACTOR == 1.4
+    assert wide.kernel.bandwidth_factor == WIDE_BANDWIDTH_FACTOR
+    assert narrow.kernel.bandwidth_factor == WHITENED_BANDWIDTH_FACTOR
+    assert raw.kernel.bandwidth_factor == pytest.approx(svgd_bandwidth_factor(300))
+    assert given.kernel is own
+    # a raw-space start whitened later (refresh_preconditioner) takes the same rule
+    raw.refresh_preconditioner()
+    assert raw.kernel.bandwidth_factor == WIDE_BANDWIDTH_FACTOR
 
 
 def test_particles_that_leave_the_preconditioner_warn_once():

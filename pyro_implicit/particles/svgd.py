@@ -36,7 +36,12 @@ Adam steps from exact draws, final sd 0.99 at D = 1, 0.83-0.84 at D = 5, 0.65-0.
 (``benchmarks/results/svgd_bandwidth.md``), with 1.4 of it 1.00, 0.99, 0.99, 0.97-0.98, and
 at D = 100 0.89-0.94 against 0.84-0.88 (``svgd_bandwidth_factors.md``). On the stiff
 benchmark 1.4 took stochastic volatility from 0.37 to 0.21 NUTS sds off, where 300
-particles had spread into ``phi_raw``'s tail (``wsvgd_bandwidth.md``).
+particles had spread into ``phi_raw``'s tail (``wsvgd_bandwidth.md``). Beyond
+:data:`WIDE_BANDWIDTH_DIM` (100) latent coordinates that are not a network's weights it is
+:data:`WIDE_BANDWIDTH_FACTOR` (3) median distances: there 300 particles with 1.4 lost
+spread in many groups' effects and let the groups' shared scale drift (0.37-1.43 NUTS sds
+off at about 150 latents in three hierarchical models, 0.25-0.37 with 3;
+``benchmarks/results/audit_probes_s64.md``, section 4).
 """
 
 import collections
@@ -85,6 +90,8 @@ __all__ = [
     "AUTO_PARTICLES",
     "FEW_PARTICLES_DIM",
     "MIN_PARTICLES_PER_DIM",
+    "WIDE_BANDWIDTH_DIM",
+    "WIDE_BANDWIDTH_FACTOR",
     "METHODS",
     "PARTICLES_PER_DIM",
     "ParticleInference",
@@ -913,11 +920,27 @@ AUTO_PARTICLES = (100, 300)
 #: ``Adam(1e-2)`` against NUTS, ``benchmarks/results/audit_probes_s64.md`` section 4) the
 #: particles drift in the group scale: 300 of them ended 0.05 NUTS sds off at D = 60, 0.36
 #: at 100, 1.15 at 150 and 4.65 at 300 (10.5 after 5000 steps); five per coordinate 0.20
-#: at D = 100 and 0.41 at 150, ten 0.16 and 0.21 (eight times the seconds of 300 at 150).
+#: at D = 100 and 0.41 at 150, ten 0.16 and 0.21 (eight times the seconds of 300 at 150),
+#: all with the kernel at 1.4 median distances (beyond 100 latents it is now wider,
+#: :data:`WIDE_BANDWIDTH_DIM`: 300 particles 0.28-0.30 at 150 and 1.54 at 300).
 #: A network's weights do not warn: a few particles for thousands of weights is f-POVI's
 #: setting, whose collapse :class:`~pyro_implicit.particles.FunctionSpaceSVGD` answers.
 FEW_PARTICLES_DIM = 60
 MIN_PARTICLES_PER_DIM = 10
+
+#: beyond :data:`WIDE_BANDWIDTH_DIM` latent coordinates that are not a network's weights the
+#: default kernel of whitened particles is :data:`WIDE_BANDWIDTH_FACTOR` median distances
+#: wide instead of :data:`WHITENED_BANDWIDTH_FACTOR`. With 300 particles (2000 steps of
+#: ``Adam(1e-2)`` against NUTS, ``benchmarks/results/audit_probes_s64.md`` section 4) the
+#: group scale of three non-centred hierarchical models of about 150 latents ended 0.25-0.37
+#: NUTS sds off instead of 0.37-1.43 (a logistic regression at seeds 0-2: 1.15-1.31 ->
+#: 0.28-0.30; many schools 0.37 -> 0.25; a Poisson regression 1.35-1.43 -> 0.37), and of
+#: the logistic one at 300 latents 1.54 instead of 4.65; a Gaussian posterior of 150 latents
+#: stayed exact (``wide_blr``). At 100 latents it traded the error (0.15-0.36 -> 0.12-0.21)
+#: for a too-narrow group scale (sd 0.94-1.32 -> 0.51-0.72 of NUTS's), so the rule starts
+#: beyond. A network's weights keep the narrower kernel.
+WIDE_BANDWIDTH_DIM = 100
+WIDE_BANDWIDTH_FACTOR = 3.0
 
 
 def _count_of(init_particles):
@@ -1045,6 +1068,7 @@ class WeightSpaceSVGD(ParticleInference):
         self.compile = compile or None
         # the default kernel of the raw space counts the particles (Liu & Wang's rule)
         self._count_kernel = kernel is None and (precondition is False or precondition is None)
+        self._default_kernel = kernel is None
         self._warned_drift = False  # the runaway warning is given once
         self._steps_since_drift_check = 0
 
@@ -1059,6 +1083,8 @@ class WeightSpaceSVGD(ParticleInference):
         super()._setup_space(args, kwargs)
         if self._auto_particles:
             self._choose_count(auto_num_particles(self.latent_dim))
+        if self._default_kernel and not self._count_kernel:
+            self.kernel = self._whitened_kernel()
         self._check_particle_count()
 
     def _check_particle_count(self):
@@ -1071,13 +1097,14 @@ class WeightSpaceSVGD(ParticleInference):
             f"{type(self).__name__}: {total} particles for {dim} latent coordinates. SVGD's "
             "particles lose spread as the dimension grows against their number, and a "
             "scale that many latents share drifts to make up for it, with no sign in the "
-            "Stein discrepancy: on hierarchical logistic regressions 300 particles left the "
-            "group scale 0.36 NUTS sds off at 100 latents, 1.15 at 150 and 4.65 at 300 "
-            "(10.5 after 5000 steps). Pass num_particles="
-            f"{MIN_PARTICLES_PER_DIM * dim} ({MIN_PARTICLES_PER_DIM} per coordinate: 0.16-0.21 "
-            "sds off there) and check the fit against NUTS (pyro_implicit.compare), or fit "
-            "ImplicitGuide with SteinScoreELBO() (0.12 sds off at 300). A network's weights "
-            "(sites marked infer={'network_weights': True}) do not warn.",
+            "Stein discrepancy: on hierarchical regressions 300 particles left the group "
+            "scale 0.15-0.36 NUTS sds off at 100 latents, 0.25-0.37 at 150 and 1.54 at 300. "
+            "Pass "
+            f"num_particles={MIN_PARTICLES_PER_DIM * dim} ({MIN_PARTICLES_PER_DIM} per "
+            "coordinate: 0.16 sds off at 100 latents) and check the fit against NUTS "
+            "(pyro_implicit.compare), or fit ImplicitGuide with SteinScoreELBO() (0.12 sds "
+            "off at 300). A network's weights (sites marked infer={'network_weights': True}) "
+            "do not warn.",
             FewParticlesWarning,
             stacklevel=6,  # the caller of step()
         )
@@ -1171,12 +1198,24 @@ class WeightSpaceSVGD(ParticleInference):
         self._whitened_default_kernel()
 
     def _whitened_default_kernel(self):
-        """The default kernel of whitened particles (1.4 median distances) in place of the
+        """The default kernel of whitened particles (:meth:`_whitened_kernel`) in place of the
         raw space's default (Liu & Wang's, which counts the particles), once the particles
         are whitened; a kernel of the caller's stays."""
         if self._count_kernel:
             self._count_kernel = False
-            self.kernel = default_kernel(True, self.num_particles)
+            self.kernel = self._whitened_kernel()
+
+    def _whitened_kernel(self):
+        """The default kernel of whitened particles: :data:`WHITENED_BANDWIDTH_FACTOR`
+        median distances, :data:`WIDE_BANDWIDTH_FACTOR` beyond :data:`WIDE_BANDWIDTH_DIM`
+        latent coordinates that are not a network's weights."""
+        if (
+            self.space is not None
+            and self.latent_dim > WIDE_BANDWIDTH_DIM
+            and not self.space.network
+        ):
+            return RBFKernel(bandwidth_factor=WIDE_BANDWIDTH_FACTOR)
+        return default_kernel(True, self.num_particles)
 
     def _reset_particle_optimizer_state(self):
         """Forget the optimiser's state of the particles (not of the model's parameters)."""
