@@ -574,6 +574,10 @@ class ParticleInference:
     def _local_rows(self):
         return slice(None) if self.distributed is None else self.distributed.rows
 
+    def _total_particles(self):
+        """All N particles, over every rank (:attr:`num_particles` is this rank's)."""
+        return self.num_particles if self.distributed is None else self.distributed.num_particles
+
     def state_dict(self):
         """Everything a fit needs to resume: all N particles (gathered from the ranks with
         ``layout="sharded"``, so a collective: call it on every rank), the optimiser's
@@ -662,7 +666,7 @@ class ParticleInference:
                 "load_state_dict resumes a particle method that has not stepped yet: build a "
                 "fresh one with the same arguments and load into it"
             )
-        total = self.num_particles if self.distributed is None else self.distributed.num_particles
+        total = self._total_particles()
         if state.get("type") != type(self).__name__ or state["num_particles"] != total:
             raise ValueError(
                 f"the checkpoint holds {state['num_particles']} particles of a "
@@ -1070,7 +1074,7 @@ class WeightSpaceSVGD(ParticleInference):
         self._count_kernel = kernel is None and (precondition is False or precondition is None)
         self._default_kernel = kernel is None
         self._warned_drift = False  # the runaway warning is given once
-        self._steps_since_drift_check = 0
+        self._num_steps = 0
 
     def _choose_count(self, num_particles):
         """Fix the ``"auto"`` particle count (and the default kernel that counts them)."""
@@ -1090,7 +1094,7 @@ class WeightSpaceSVGD(ParticleInference):
     def _check_particle_count(self):
         """Warn where the particles are too few for the latent (:data:`FEW_PARTICLES_DIM`)."""
         dim = self.latent_dim
-        total = self.num_particles if self.distributed is None else self.distributed.num_particles
+        total = self._total_particles()
         if self.space.network or dim <= FEW_PARTICLES_DIM or total >= MIN_PARTICLES_PER_DIM * dim:
             return
         warnings.warn(
@@ -1279,14 +1283,13 @@ class WeightSpaceSVGD(ParticleInference):
         300-latent hierarchical regression, 10.5 NUTS sds off after 5000 steps) and the
         w-SGLD and pi-SGLD rules at 150 latents (8.6 off;
         ``benchmarks/results/audit_probes_s64.md`` section 4)."""
-        self._steps_since_drift_check += 1
+        self._num_steps += 1
         if (
             self._warned_drift
             or self.preconditioner.is_identity
-            or self._steps_since_drift_check < RUNAWAY_CHECK_EVERY
+            or self._num_steps % RUNAWAY_CHECK_EVERY
         ):
             return
-        self._steps_since_drift_check = 0
         drift = self.particles.detach().mean(0).abs().max().item()
         if not drift > RUNAWAY_DRIFT:
             return
