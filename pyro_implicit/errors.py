@@ -11,10 +11,11 @@
 * :class:`DivergenceError`: a fit that has diverged (not a bad input: a run that went
   wrong).
 
-Two warnings live here too: :class:`RunawayWarning`, a fit whose estimator has left the
-region where it is accurate (every number finite, the posterior not to be trusted), and
+Three warnings live here too: :class:`RunawayWarning`, a fit whose estimator has left the
+region where it is accurate (every number finite, the posterior not to be trusted),
 :class:`FewParticlesWarning`, a particle method set up with too few particles for its
-latent dimension.
+latent dimension, and :class:`MultimodalPosteriorWarning`, a posterior whose search found
+more than one mode.
 
 Each is also the built-in exception these problems raised before it existed
 (``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
@@ -30,6 +31,7 @@ __all__ = [
     "DivergenceError",
     "FewParticlesWarning",
     "ModelError",
+    "MultimodalPosteriorWarning",
     "PairingError",
     "PyroImplicitError",
     "RunawayWarning",
@@ -96,3 +98,10 @@ class FewParticlesWarning(UserWarning):
     lose spread as the dimension grows against their number (Ba et al., 2022,
     *Understanding the variance collapse of SVGD in high dimensions*), and a scale that
     many latents share drifts to make up for it. The message gives the count to pass."""
+
+
+class MultimodalPosteriorWarning(UserWarning):
+    """The preconditioner's search found more than one mode of the posterior, each carrying
+    a real share of its mass by the Laplace estimate. Every method starts from one Gaussian
+    at the heaviest mode, and a fit started there tends to stay in it: its draws then miss
+    the other modes' mass. The message gives the modes' weights and what to try."""

@@ -112,6 +112,30 @@ _VI_MAX_STEPS = 3000
 #: most Newton steps that polish the MAP where the Hessian is dense
 _NEWTON_STEPS = 3
 
+#: L-BFGS starts beyond the model's own from which the search looks for other modes, each
+#: unconstrained coordinate uniform on (-2, 2) (as Stan and Pyro's NUTS initialise): on a
+#: posterior with two modes (0.78 and 0.22 of the mass) the search had started in the
+#: lighter one, whichever the guide's random starting point chose, and every method stayed
+#: there, 1.9 posterior sds off (``benchmarks/results/audit_probes_s65.md``)
+MODE_STARTS = 4
+
+#: most coordinates for which the search looks for other modes (one dense Hessian per
+#: mode found; a network's weights, whose symmetries make every start a mode of its own,
+#: are never searched)
+MODE_SEARCH_LIMIT = _VI_DENSE_LIMIT
+
+#: the Laplace weight of a second mode above which the search warns
+#: (:class:`~pyro_implicit.errors.MultimodalPosteriorWarning`)
+MINOR_MODE_WEIGHT = 0.05
+
+#: a local maximum counts as a mode where the Newton step left there is shorter than this
+#: (in the Laplace's sds): L-BFGS stops short of an unbounded density (a funnel's neck, a
+#: mixture component collapsing onto one point) with steps that stay long
+_MODE_TOLERANCE = 1e-2
+
+#: two modes are one where each lies within this many of the other's Laplace sds
+_SAME_MODE_DISTANCE = 1.0
+
 #: seconds after which the search shows a progress bar (model calls, the phase, elapsed
 #: time); shorter searches print nothing. A model that subsamples its data is scored on
 #: all of it, one minibatch after another, so its search grows with the data (a logistic
@@ -1263,6 +1287,103 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
     return best["u"], best["lp"]
 
 
+def _find_modes(space, first, args, kwargs, max_iter, score, seed, num_starts=MODE_STARTS):
+    r"""The distinct modes that L-BFGS reaches from ``first`` (the ``(u, log_density)`` it
+    reached from the model's starting point) and from ``num_starts`` starts uniform on
+    :math:`(-2, 2)^D`, heaviest first: dicts with ``loc``, ``log_density``, ``laplace``
+    (the dense Laplace there) and ``weight``, the share of
+    :math:`\tilde p(\hat u)\,|\Sigma|^{1/2}` (the Laplace estimate of each mode's mass).
+
+    An end point counts only where it is a strict local maximum (a negative definite
+    Hessian) that L-BFGS has converged to (:data:`_MODE_TOLERANCE`): an unbounded density
+    (a funnel's neck) leaves none. Two end points within :data:`_SAME_MODE_DISTANCE`
+    Laplace sds of each other are one mode. Deterministic given ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    ref = first[0]
+    starts = torch.rand(num_starts, space.latent_dim, generator=gen, dtype=torch.float64)
+    ends = [first]
+    for start in (4 * starts - 2).to(ref):
+        try:
+            ends.append(_map_by_lbfgs(space, start, args, kwargs, max_iter, score))
+        except RuntimeError:  # no finite point from this start
+            continue
+    modes = []
+    for u, _ in ends:
+        if u is None:
+            continue
+        try:
+            laplace = _laplace(space, u, args, kwargs, True, score)
+        except ValueError:
+            continue
+        if laplace.clamped:
+            continue
+        lp, grad = score(laplace.loc[None])
+        lp = lp[0].item()
+        newton = (laplace.scale_tril.T.to(torch.float64) @ grad[0].to(torch.float64)).norm()
+        if not (math.isfinite(lp) and newton < _MODE_TOLERANCE):
+            continue
+        if any(
+            _within(mode["laplace"], laplace.loc) and _within(laplace, mode["loc"])
+            for mode in modes
+        ):
+            continue
+        log_mass = lp + float(laplace.log_abs_det())
+        modes.append(
+            {"loc": laplace.loc, "log_density": lp, "laplace": laplace, "log_mass": log_mass}
+        )
+    if modes:
+        log_mass = torch.tensor([mode["log_mass"] for mode in modes], dtype=torch.float64)
+        for mode, weight in zip(
+            modes, (log_mass - log_mass.logsumexp(0)).exp().tolist(), strict=True
+        ):
+            mode["weight"] = weight
+    return sorted(modes, key=lambda mode: -mode["weight"])
+
+
+def _within(laplace, u):
+    """Whether ``u`` lies within :data:`_SAME_MODE_DISTANCE` sds of ``laplace``."""
+    return laplace.whiten(u).norm().item() < _SAME_MODE_DISTANCE
+
+
+def _heaviest_mode(
+    space, u_map, lp_map, args, kwargs, max_iter, score, seed, num_starts, diagnostics, progress
+):
+    """``(u, log_density)`` of the heaviest mode :func:`_find_modes` finds besides
+    ``u_map``, which stays where fewer than two modes are found (one mode, or an unbounded
+    density's neck); warns where a second mode carries :data:`MINOR_MODE_WEIGHT` of the
+    mass. Records ``mode_weights``, ``modes`` (their unconstrained locations) and
+    ``mode_search_seconds`` in ``diagnostics``."""
+    import time
+
+    from .errors import MultimodalPosteriorWarning
+
+    mark = time.perf_counter()
+    progress.set_postfix_str("modes", refresh=False)
+    modes = _find_modes(space, (u_map, lp_map), args, kwargs, max_iter, score, seed, num_starts)
+    diagnostics["mode_search_seconds"] = time.perf_counter() - mark
+    diagnostics["mode_weights"] = [mode["weight"] for mode in modes]
+    diagnostics["modes"] = [mode["loc"] for mode in modes]
+    if len(modes) < 2:
+        return u_map, lp_map
+    heaviest = modes[0]
+    diagnostics["map_log_density"] = heaviest["log_density"]
+    if modes[1]["weight"] >= MINOR_MODE_WEIGHT:
+        weights = ", ".join(f"{mode['weight']:.2f}" for mode in modes)
+        warnings.warn(
+            f"The posterior has at least {len(modes)} modes (L-BFGS from "
+            f"{num_starts + 1} starts; their Laplace weights {weights}). Every method starts "
+            "from one Gaussian at the heaviest, and a fit started there tends to stay in "
+            "it: on a two-mode posterior every default put all its draws in one mode "
+            "(0.5 posterior sds off). Check the fit against NUTS with several chains "
+            "(pyro_implicit.compare), or fit without the preconditioner "
+            "(precondition=False), from which some methods found both modes. The modes' "
+            "unconstrained locations are in the preconditioner's diagnostics['modes'].",
+            MultimodalPosteriorWarning,
+            stacklevel=4,
+        )
+    return heaviest["loc"], heaviest["log_density"]
+
+
 def _laplace(space, u_map, args, kwargs, dense, score=None):
     """The Laplace approximation at ``u_map`` (a :class:`Preconditioner` with
     ``clamped``, the number of curvatures raised to the floor); raises ``ValueError``
@@ -1580,6 +1701,7 @@ def find_preconditioner(
     vi_estimator="entropy",
     seed=0,
     compile="fx",
+    mode_starts=MODE_STARTS,
 ):
     r"""Find :math:`(m, L)` with :math:`N(m, LL^\top)` close to the posterior of ``space``.
 
@@ -1668,6 +1790,26 @@ def find_preconditioner(
             diagnostics["map_log_density"] = lp_map
         except RuntimeError as e:
             problem = f"the MAP search failed ({e})"
+        if (
+            u_map is not None
+            and mode_starts
+            and dense
+            and dim <= MODE_SEARCH_LIMIT
+            and not space.network
+        ):
+            u_map, lp_map = _heaviest_mode(
+                space,
+                u_map,
+                lp_map,
+                args,
+                kwargs,
+                max_iter,
+                score,
+                seed,
+                mode_starts,
+                diagnostics,
+                progress,
+            )
         laplace = None
         if u_map is not None:
             try:

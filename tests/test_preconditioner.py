@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -219,6 +220,68 @@ def test_a_diagonal_laplace_is_kept_without_the_importance_check(monkeypatch):
     assert "laplace_log_weight_sd" not in pre.diagnostics
     assert ((pre.loc - mean) / cov.diagonal().sqrt()).abs().max() < 1e-4
     assert torch.isfinite(pre.scale).all() and (pre.scale > 0).all()
+
+
+def two_modes(minor):
+    """A two-mode posterior with known masses: a ~ N(0, 10^2) times the factor of a
+    mixture, ``minor`` of N(-2, 0.3^2) and ``1 - minor`` of N(2, 1); b ~ N(0, 1) apart.
+    The lighter mode is the taller one (for ``minor`` 0.3), so a weight read from the
+    density at each mode alone picks the wrong one. Returns the model and the exact mass
+    of the lighter component, w_k N(m_k; 0, (s_k^2 + 10^2)^(1/2)) normalised."""
+    components = ((minor, -2.0, 0.3), (1.0 - minor, 2.0, 1.0))
+
+    def model():
+        a = pyro.sample("a", dist.Normal(0.0, 10.0))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+        terms = [math.log(w) + dist.Normal(m, s).log_prob(a) for w, m, s in components]
+        pyro.factor("mixture", torch.stack(terms).logsumexp(0))
+
+    mass = [
+        w * dist.Normal(0.0, math.hypot(s, 10.0)).log_prob(torch.tensor(m)).exp().item()
+        for w, m, s in components
+    ]
+    return model, mass[0] / sum(mass)
+
+
+@pytest.mark.parametrize("minor, warns", [(0.3, True), (0.02, False)])
+def test_the_search_finds_both_modes_and_starts_at_the_heavier(minor, warns):
+    """Started in the lighter mode, the search finds the other from its uniform starts,
+    weighs the two as their exact masses (the Laplace estimate: the density at a mode
+    times its Laplace volume) and centres the preconditioner at the heavier; it warns
+    where the lighter one holds a real share. Without the extra starts it stays put."""
+    from pyro_implicit import MultimodalPosteriorWarning
+
+    model, light_mass = two_modes(minor)
+    space, _ = space_of(model, ())
+    lighter = torch.tensor([-2.0, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stays = find_preconditioner(space, lighter, (), mode_starts=0)
+    assert stays.loc[0].item() == pytest.approx(-2.0, abs=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = find_preconditioner(space, lighter, ())
+    said = [w for w in caught if issubclass(w.category, MultimodalPosteriorWarning)]
+    assert len(said) == int(warns) and len(caught) == len(said)
+    assert pre.loc[0].item() == pytest.approx(2.0, abs=0.1)
+    weights = pre.diagnostics["mode_weights"]
+    assert len(weights) == 2
+    assert weights[1] == pytest.approx(light_mass, abs=0.01)
+    assert pre.diagnostics["modes"][1][0].item() == pytest.approx(-2.0, abs=0.05)
+
+
+def test_a_single_mode_leaves_the_search_as_it_was():
+    """On a Gaussian posterior every start ends at the one mode: the same preconditioner
+    as without the extra starts, and no warning."""
+    model, args, _, _ = raw_blr()
+    space, init = space_of(model, args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = find_preconditioner(space, init, args)
+    alone = find_preconditioner(space, init, args, mode_starts=0)
+    assert pre.diagnostics["mode_weights"] == [1.0]
+    assert "mode_weights" not in alone.diagnostics
+    assert torch.equal(pre.loc, alone.loc) and torch.equal(pre.scale_tril, alone.scale_tril)
 
 
 def test_non_gaussian_mode_is_refined_by_a_gaussian_fit(quartic_model):
