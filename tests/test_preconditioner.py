@@ -284,6 +284,28 @@ def test_a_single_mode_leaves_the_search_as_it_was():
     assert torch.equal(pre.loc, alone.loc) and torch.equal(pre.scale_tril, alone.scale_tril)
 
 
+def test_a_funnels_neck_is_not_a_mode():
+    """The centred eight schools: the density grows without bound down the funnel's neck
+    (tau -> 0), where L-BFGS stops at a point that is neither a strict maximum nor
+    converged. No end point is a mode, so the search does not warn (counted as modes,
+    the necks reached from the starts warned of several)."""
+    y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+    def schools():
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        with pyro.plate("schools", 8):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+    space, init = space_of(schools, ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = find_preconditioner(space, init, ())
+    assert pre.diagnostics["mode_weights"] == []
+
+
 def test_non_gaussian_mode_is_refined_by_a_gaussian_fit(quartic_model):
     # log p(u) = -u^2/2 - u^4: the Laplace at the mode has sd 1, its importance weights
     # fail the check, and the Gaussian variational fit replaces it
