@@ -1351,8 +1351,8 @@ def _heaviest_mode(
     """``(u, log_density)`` of the heaviest mode :func:`_find_modes` finds besides
     ``u_map``, which stays where fewer than two modes are found (one mode, or an unbounded
     density's neck); warns where a second mode carries :data:`MINOR_MODE_WEIGHT` of the
-    mass. Records ``mode_weights``, ``modes`` (their unconstrained locations) and
-    ``mode_search_seconds`` in ``diagnostics``."""
+    mass. Records ``mode_weights``, ``modes`` (each mode's Laplace, a
+    :class:`Preconditioner`) and ``mode_search_seconds`` in ``diagnostics``."""
     import time
 
     from .errors import MultimodalPosteriorWarning
@@ -1362,7 +1362,7 @@ def _heaviest_mode(
     modes = _find_modes(space, (u_map, lp_map), args, kwargs, max_iter, score, seed, num_starts)
     diagnostics["mode_search_seconds"] = time.perf_counter() - mark
     diagnostics["mode_weights"] = [mode["weight"] for mode in modes]
-    diagnostics["modes"] = [mode["loc"] for mode in modes]
+    diagnostics["modes"] = [mode["laplace"] for mode in modes]
     if len(modes) < 2:
         return u_map, lp_map
     heaviest = modes[0]
@@ -1371,17 +1371,46 @@ def _heaviest_mode(
         weights = ", ".join(f"{mode['weight']:.2f}" for mode in modes)
         warnings.warn(
             f"The posterior has at least {len(modes)} modes (L-BFGS from "
-            f"{num_starts + 1} starts; their Laplace weights {weights}). Every method starts "
-            "from one Gaussian at the heaviest, and a fit started there tends to stay in "
-            "it: on a two-mode posterior every default put all its draws in one mode "
-            "(0.5 posterior sds off). Check the fit against NUTS with several chains "
-            "(pyro_implicit.compare), or fit without the preconditioner "
-            "(precondition=False), from which some methods found both modes. The modes' "
-            "unconstrained locations are in the preconditioner's diagnostics['modes'].",
+            f"{num_starts + 1} starts; their Laplace weights {weights}). The guides start "
+            "from one Gaussian at the heaviest and tend to stay in it: on a two-mode "
+            "posterior every guide's default put (nearly) all its draws there, about 0.5 "
+            "posterior sds off. WeightSpaceSVGD starts its particles in every mode by "
+            "these weights, and kept them. Check a guide's fit against WeightSpaceSVGD or "
+            "NUTS with several chains (pyro_implicit.compare). Each mode's Laplace is in "
+            "the preconditioner's diagnostics['modes'].",
             MultimodalPosteriorWarning,
             stacklevel=4,
         )
     return heaviest["loc"], heaviest["log_density"]
+
+
+def spread_over_modes(preconditioner, z):
+    """Whitened draws ``z`` ``(N, D)`` of ``N(0, I)`` spread over the modes the search found
+    (:func:`_find_modes`, ``preconditioner.diagnostics["modes"]``): the first rows stay
+    draws of the preconditioner's Gaussian (at the heaviest mode), and each other mode gets
+    its weight's share of the rows (largest remainders), redrawn from its Laplace as
+    :math:`L^{-1}(m_k + L_k z - m)`. Unchanged where fewer than two modes were found.
+
+    SVGD keeps particles in modes far apart in the kernel's scale, so particles started
+    this way keep the modes' Laplace weights: on a two-mode posterior (masses 0.76 / 0.24
+    and 0.78 / 0.22) ``WeightSpaceSVGD`` ended 0.004-0.15 posterior sds off from them, 0.19-0.52 from
+    the heaviest mode's Gaussian alone (``benchmarks/results/audit_probes_s65.md``)."""
+    diagnostics = getattr(preconditioner, "diagnostics", None) or {}
+    modes, weights = diagnostics.get("modes", []), diagnostics.get("mode_weights", [])
+    if len(modes) < 2:
+        return z
+    n = z.shape[0]
+    shares = torch.tensor(weights, dtype=torch.float64) * n
+    counts = shares.floor().long()
+    counts[(shares - counts).argsort(descending=True)[: n - int(counts.sum())]] += 1
+    spread = z.clone()
+    stop = int(counts[0])
+    for mode, count in zip(modes[1:], counts[1:].tolist(), strict=True):
+        rows = slice(stop, stop + count)
+        laplace = mode.to(dtype=z.dtype, device=z.device)
+        spread[rows] = preconditioner.whiten(laplace.unwhiten(z[rows]))
+        stop += count
+    return spread
 
 
 def _laplace(space, u_map, args, kwargs, dense, score=None):

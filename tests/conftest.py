@@ -83,3 +83,48 @@ def pytest_collection_modifyitems(config, items):
     """The notebooks first (stable otherwise): each runs 10-40 s, and left at the end of
     the collection one of them kept the other ``pytest -n 2`` worker idle while it ran."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/test_tutorials.py"))
+
+
+def _two_modes(minor):
+    """A two-mode posterior known exactly: a ~ N(0, 10^2) times the factor of a mixture,
+    ``minor`` of N(-2, 0.3^2) and ``1 - minor`` of N(2, 1), and b ~ N(0, 1) apart. For
+    ``minor`` 0.3 the lighter mode is the taller, so a weight read from the density at each
+    mode alone picks the wrong one. Returns the model and ``{"minor_mass", "below_zero",
+    "mean", "sd"}`` of the posterior of ``a`` (``below_zero``: the mass of a < 0), a mixture of the two components times the prior: weights
+    ``w_k N(m_k; 0, (s_k^2 + 100)^(1/2))``, means ``100 m_k / (s_k^2 + 100)``, variances
+    ``100 s_k^2 / (s_k^2 + 100)``."""
+    components = ((minor, -2.0, 0.3), (1.0 - minor, 2.0, 1.0))
+
+    def model():
+        a = pyro.sample("a", pyro.distributions.Normal(0.0, 10.0))
+        pyro.sample("b", pyro.distributions.Normal(0.0, 1.0))
+        terms = [
+            torch.log(torch.tensor(w)) + pyro.distributions.Normal(m, s).log_prob(a)
+            for w, m, s in components
+        ]
+        pyro.factor("mixture", torch.stack(terms).logsumexp(0))
+
+    mass = torch.tensor(
+        [
+            w / (s**2 + 100) ** 0.5 * torch.exp(torch.tensor(-(m**2) / (2 * (s**2 + 100)))).item()
+            for w, m, s in components
+        ]
+    )
+    mass = mass / mass.sum()
+    means = torch.tensor([100 * m / (s**2 + 100) for _, m, s in components])
+    variances = torch.tensor([100 * s**2 / (s**2 + 100) for _, _, s in components])
+    mean = (mass * means).sum()
+    sd = ((mass * (variances + means**2)).sum() - mean**2).sqrt()
+    below = (mass * pyro.distributions.Normal(means, variances.sqrt()).cdf(torch.tensor(0.0))).sum()
+    return model, {
+        "minor_mass": mass[0].item(),
+        "below_zero": below.item(),
+        "mean": mean.item(),
+        "sd": sd.item(),
+    }
+
+
+@pytest.fixture
+def two_modes():
+    """``build(minor)``: a two-mode model and its exact posterior (:func:`_two_modes`)."""
+    return _two_modes

@@ -82,6 +82,7 @@ from ..latent import (
     plate_nesting,
     prototype_errors_named,
     resolve_precondition,
+    spread_over_modes,
 )
 from ..progress import refresh_intervals
 from ..random_streams import random_streams_kept
@@ -528,10 +529,12 @@ class ParticleInference:
         """The optimised tensor's start: whitened when there is a preconditioner."""
         pre = self.preconditioner
         if self._init_particles is None and not pre.is_identity:
-            # the preconditioner's Gaussian: z ~ N(0, I)
-            return torch.randn(
+            # the preconditioner's Gaussian, z ~ N(0, I), and each other mode the search
+            # found its share, drawn from its Laplace: SVGD keeps the shares it starts with
+            z = torch.randn(
                 self.num_particles, self.latent_dim, dtype=pre.loc.dtype, device=pre.loc.device
             )
+            return spread_over_modes(pre, z)
         return pre.whiten(self._initial_unconstrained(args, kwargs, dtype))
 
     def _initial_unconstrained(self, args, kwargs, dtype):
