@@ -1392,9 +1392,10 @@ def spread_over_modes(preconditioner, z):
     :math:`L^{-1}(m_k + L_k z - m)`. Unchanged where fewer than two modes were found.
 
     SVGD keeps particles in modes far apart in the kernel's scale, so particles started
-    this way keep the modes' Laplace weights: on a two-mode posterior (masses 0.76 / 0.24
-    and 0.78 / 0.22) ``WeightSpaceSVGD`` ended 0.004-0.15 posterior sds off from them, 0.19-0.52 from
-    the heaviest mode's Gaussian alone (``benchmarks/results/audit_probes_s65.md``)."""
+    this way keep the modes' Laplace weights: on two two-mode posteriors (masses 0.76 /
+    0.24 and 0.78 / 0.22) ``WeightSpaceSVGD`` ended 0.003-0.021 posterior sds off at seeds
+    0-2, against 0.14-0.52 from the heaviest mode's Gaussian alone
+    (``benchmarks/results/audit_probes_s65.md``, section 2)."""
     diagnostics = getattr(preconditioner, "diagnostics", None) or {}
     modes, weights = diagnostics.get("modes", []), diagnostics.get("mode_weights", [])
     if len(modes) < 2:

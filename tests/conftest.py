@@ -89,8 +89,9 @@ def _two_modes(minor):
     """A two-mode posterior known exactly: a ~ N(0, 10^2) times the factor of a mixture,
     ``minor`` of N(-2, 0.3^2) and ``1 - minor`` of N(2, 1), and b ~ N(0, 1) apart. For
     ``minor`` 0.3 the lighter mode is the taller, so a weight read from the density at each
-    mode alone picks the wrong one. Returns the model and ``{"minor_mass", "below_zero",
-    "mean", "sd"}`` of the posterior of ``a`` (``below_zero``: the mass of a < 0), a mixture of the two components times the prior: weights
+    mode alone picks the wrong one. Returns the model and, for the posterior of ``a``,
+    ``{"minor_mass", "below_zero", "mean", "sd"}`` (``below_zero``: the mass of a < 0). That
+    posterior is a mixture of the two components times the prior: weights
     ``w_k N(m_k; 0, (s_k^2 + 100)^(1/2))``, means ``100 m_k / (s_k^2 + 100)``, variances
     ``100 s_k^2 / (s_k^2 + 100)``."""
     components = ((minor, -2.0, 0.3), (1.0 - minor, 2.0, 1.0))
