@@ -47,6 +47,7 @@ from pyro.poutine.messenger import Messenger
 
 from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
 from ..latent import (
+    MINOR_MODE_WEIGHT,
     LatentSpace,
     Preconditioner,
     PreconditionerWarning,
@@ -72,7 +73,7 @@ from .importance import (
 from .memory import PeakMemory
 from .methods import DEFAULT_METHODS, METHODS, NUM_PARTICLES, resolve_name
 from .metrics import compare_samples
-from .nuts import NUTSResult, check_trace_continuous, run_nuts
+from .nuts import NUTSResult, check_trace_continuous, run_nuts, weigh_by_modes
 from .results import NUTS_ROW, ComparisonResult, MethodResult
 from .stein import model_preconditioner, stein_discrepancy
 
@@ -435,9 +436,23 @@ def compare(
         nuts = None
     elif nuts is None:
         ran_nuts = True
+        modes, weights = _modes_of(shared, run_kwargs)
+        per_mode = run_kwargs["num_chains"]
+        starts = {}
+        if modes:
+            starts = {
+                "num_chains": per_mode * len(modes),
+                "initial_points": [mode.loc for mode in modes for _ in range(per_mode)],
+            }
+            _say(
+                progress,
+                f"NUTS: the search found {len(modes)} modes (Laplace weights "
+                + ", ".join(f"{w:.2f}" for w in weights)
+                + f"), which its chains do not cross: {per_mode} chain(s) start in each",
+            )
         _say(
             progress,
-            f"NUTS: {run_kwargs['num_chains']} chain(s) x "
+            f"NUTS: {starts.get('num_chains', per_mode)} chain(s) x "
             f"{run_kwargs['num_samples']} draws, {run_kwargs['warmup_steps']} warmup",
         )
         with PeakMemory() as nuts_memory:
@@ -447,9 +462,17 @@ def compare(
                 seed=seed,
                 max_plate_nesting=mpn,
                 progress_bar=progress,
-                **run_kwargs,
+                **{**run_kwargs, **starts},
                 **kwargs,
             )
+        if modes:
+            space = LatentSpace.from_model(model, args, kwargs, mpn)
+            try:
+                nuts = weigh_by_modes(nuts, space, modes, weights, seed)
+            except ValueError as e:
+                # a mode's chains all left it: the valley is crossed, and the chains'
+                # own mix stands
+                _say(progress, f"  draws not weighted by the modes: {e}")
         _say(progress, f"  done in {nuts.wall_time:.1f} s")
         if nuts.weakness():
             _say(progress, f"  weak reference: {nuts.weakness()}")
@@ -638,6 +661,27 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
             "peak_mb": memory.peak_mb,
         }
     return (found, record) if found else (precondition, None)
+
+
+def _modes_of(shared, run_kwargs):
+    """``(modes, weights)``: the Laplaces of the modes that the shared search found holding
+    at least :data:`~pyro_implicit.latent.MINOR_MODE_WEIGHT` of the mass each (their
+    weights renormalised), where there are two or more and NUTS's start is its own (no
+    ``init_strategy`` given); else ``([], [])``."""
+    if not isinstance(shared, dict) or "init_strategy" in run_kwargs:
+        return [], []
+    diagnostics = getattr(next(iter(shared.values())), "diagnostics", None) or {}
+    found = [
+        (mode, weight)
+        for mode, weight in zip(
+            diagnostics.get("modes", []), diagnostics.get("mode_weights", []), strict=True
+        )
+        if weight >= MINOR_MODE_WEIGHT
+    ]
+    if len(found) < 2:
+        return [], []
+    total = sum(weight for _, weight in found)
+    return [mode for mode, _ in found], [weight / total for _, weight in found]
 
 
 def _ran_gaussian_fit(pre):

@@ -7,6 +7,7 @@ process that tests and notebooks can control.
 """
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -16,6 +17,7 @@ import pyro
 import pyro.poutine as poutine
 import pyro.util
 import torch
+from pyro.infer.autoguide.initialization import init_to_value
 from pyro.infer.mcmc import MCMC, NUTS
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_continuous_latents",
     "check_trace_continuous",
     "run_nuts",
+    "weigh_by_modes",
 ]
 
 #: a reference with a larger R-hat is flagged as weak (Vehtari et al. 2021)
@@ -61,6 +64,10 @@ class NUTSResult:
     :ivar list seeds: the seed each chain ran with.
     :ivar list diverging_draws: per chain, the indices of its post-warmup draws whose
         transition diverged (ArviZ's ``sample_stats.diverging``).
+    :ivar list mode_weights: ``None``, or, for a run whose chains started in several modes
+        (:func:`weigh_by_modes`), the modes' weights that ``samples`` follow; its
+        ``samples_by_chain`` are then the chains as run, and ``diagnostics`` the worst
+        over the modes' groups of chains.
     """
 
     samples: dict
@@ -72,6 +79,7 @@ class NUTSResult:
     acceptance_rate_by_chain: list = dataclasses.field(default_factory=list)
     seeds: list = dataclasses.field(default_factory=list)
     diverging_draws: list = dataclasses.field(default_factory=list)
+    mode_weights: list = None
 
     def _finite(self, key):
         values = [d[key].reshape(-1) for d in self.diagnostics.values()]
@@ -202,6 +210,7 @@ def run_nuts(
     max_plate_nesting=None,
     progress_bar=True,
     nuts_kwargs=None,
+    initial_points=None,
     **kwargs,
 ):
     """Sample a Pyro model's posterior with NUTS, chains run one after another.
@@ -222,6 +231,9 @@ def run_nuts(
     :param bool progress_bar: show Pyro's progress bar.
     :param dict nuts_kwargs: further keyword arguments of :class:`~pyro.infer.mcmc.NUTS`
         (e.g. ``target_accept_prob``, ``init_strategy``).
+    :param list initial_points: where each chain starts (one per chain): packed
+        unconstrained points of the model's :class:`~pyro_implicit.latent.LatentSpace`
+        (e.g. the modes of a preconditioner's search); ``None``: NUTS's own start.
     :param kwargs: keyword arguments of ``model`` (so ``model`` may not take keywords
         named like the parameters above).
     A model that subsamples a plate (``pyro.plate(..., subsample_size=...)``) is sampled
@@ -243,8 +255,15 @@ def run_nuts(
     nuts_kwargs.setdefault("jit_compile", False)
     if max_plate_nesting is not None:
         nuts_kwargs["max_plate_nesting"] = max_plate_nesting
+    if initial_points is not None and len(initial_points) != num_chains:
+        raise ValueError(
+            f"initial_points needs one point per chain: {len(initial_points)} for "
+            f"num_chains={num_chains}"
+        )
     seeds = _chain_seeds(seed, num_chains)
     space = _full_data_space(model, args, kwargs, max_plate_nesting)
+    starts = _chain_starts(model, args, kwargs, max_plate_nesting, space, initial_points)
+    starts = starts or [None] * num_chains
 
     start = time.perf_counter()
     rng_state = pyro.util.get_rng_state()
@@ -263,10 +282,16 @@ def run_nuts(
                     flush=True,
                 )
             pyro.set_rng_seed(chain_seed)
+            start_at = starts[number - 1]
             if space is None:
-                kernel, initial = NUTS(model, **nuts_kwargs), None
+                options = dict(nuts_kwargs)
+                if start_at is not None:
+                    options["init_strategy"] = init_to_value(values=start_at)
+                kernel, initial = NUTS(model, **options), None
             else:
                 kernel, initial = _full_data_kernel(space, args, kwargs, nuts_kwargs)
+                if start_at is not None:
+                    initial = {"u": start_at}
             mcmc = MCMC(
                 kernel,
                 num_samples=num_samples,
@@ -291,21 +316,125 @@ def run_nuts(
         name: torch.cat([c[name] for c in chains], dim=0).detach() for name in chains[0]
     }
     samples = {name: v.reshape((-1,) + v.shape[2:]) for name, v in samples_by_chain.items()}
-    diagnostics = {
-        name: {
-            "r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
-            "ess": effective_sample_size(v, chain_dim=0, sample_dim=1),
-        }
-        for name, v in samples_by_chain.items()
-    }
     return NUTSResult(
         samples=samples,
         samples_by_chain=samples_by_chain,
-        diagnostics=diagnostics,
+        diagnostics=_chain_diagnostics(samples_by_chain),
         num_divergences=sum(len(d) for d in diverging),
         wall_time=time.perf_counter() - start,
         divergences_by_chain=[len(d) for d in diverging],
         acceptance_rate_by_chain=acceptance,
         seeds=seeds,
         diverging_draws=diverging,
+    )
+
+
+def _chain_diagnostics(samples_by_chain):
+    """Split R-hat and effective sample size of each site over the chains."""
+    return {
+        name: {
+            "r_hat": split_gelman_rubin(v, chain_dim=0, sample_dim=1),
+            "ess": effective_sample_size(v, chain_dim=0, sample_dim=1),
+        }
+        for name, v in samples_by_chain.items()
+    }
+
+
+def _chain_starts(model, args, kwargs, max_plate_nesting, space, initial_points):
+    """Per chain, what its kernel starts from: the constrained site values of its initial
+    point, or, on a subsampled model's packed potential (``space``), the point itself;
+    ``None`` where ``initial_points`` is ``None`` (NUTS's own start)."""
+    if initial_points is None:
+        return None
+    if space is not None:
+        return [torch.as_tensor(u).detach() for u in initial_points]
+    from ..latent import LatentSpace, plate_nesting
+
+    rng = pyro.util.get_rng_state()
+    try:
+        with torch.no_grad(), poutine.block():
+            if max_plate_nesting is None:
+                max_plate_nesting = plate_nesting(poutine.trace(model).get_trace(*args, **kwargs))
+            space = LatentSpace.from_model(model, args, kwargs, max_plate_nesting)
+            points = torch.stack([torch.as_tensor(u) for u in initial_points]).to(space.init_loc)
+            values = space.site_values(points)
+    finally:
+        pyro.util.set_rng_state(rng)
+    return [{name: v[c] for name, v in values.items()} for c in range(len(initial_points))]
+
+
+def weigh_by_modes(result, space, modes, weights, seed=0):
+    r"""A reference from chains started in several modes of a posterior that NUTS does
+    not cross between (:func:`run_nuts` with ``initial_points`` at the modes): each draw
+    belongs to the mode whose weighted Laplace density :math:`w_k N(u; m_k, \Sigma_k)` is
+    highest at it, and ``samples`` are the draws resampled so that mode ``k`` holds
+    ``weights[k]`` of them (evenly spaced within its draws, the modes' draws then shuffled
+    by ``seed``). Within a mode NUTS's draws stand; across modes the weights are the
+    search's Laplace estimate of each mode's mass
+    (:func:`~pyro_implicit.latent.find_preconditioner`), which chains that stay in their
+    modes cannot give. R-hat and the effective sample size are taken within each mode:
+    over the chains that spend most of their draws there (a chain may settle in another
+    mode than the one it started in, during its warmup's first long steps), each with its
+    draws in that mode, the worst kept.
+
+    :param ~pyro_implicit.latent.LatentSpace space: the packing of the modes' locations.
+    :param list modes: each mode's Laplace (:class:`~pyro_implicit.latent.Preconditioner`).
+    :param list weights: the modes' weights (summing to 1).
+    :rtype: NUTSResult
+    :raises ValueError: where a mode with a positive share holds none of the draws.
+    """
+    names = [s.name for s in space.sites]
+    with torch.no_grad():
+        u = space.pack({name: result.samples[name] for name in names})
+        u = u.to(modes[0].loc)
+        scores = torch.stack(
+            [
+                mode.distribution().log_prob(u) + math.log(weight)
+                for mode, weight in zip(modes, weights, strict=True)
+            ]
+        )
+    owner = scores.argmax(0)
+    total = owner.numel()
+    shares = torch.tensor(weights, dtype=torch.float64) * total
+    counts = shares.floor().long()
+    counts[(shares - counts).argsort(descending=True)[: total - int(counts.sum())]] += 1
+    chosen = []
+    for k, count in enumerate(counts.tolist()):
+        held = (owner == k).nonzero().flatten()
+        if count and not held.numel():
+            raise ValueError(
+                f"no NUTS draw lies in mode {k} (weight {weights[k]:.2f}): its chains left it"
+            )
+        if count:
+            chosen.append(held[torch.linspace(0, held.numel() - 1, count).round().long()])
+    order = torch.cat(chosen)
+    order = order[torch.randperm(order.numel(), generator=torch.Generator().manual_seed(seed))]
+    samples = {name: v[order.to(v.device)] for name, v in result.samples.items()}
+    per_group = []
+    by_chain = owner.reshape(next(iter(result.samples_by_chain.values())).shape[:2])
+    home = by_chain.mode(-1).values  # each chain's mode: where most of its draws lie
+    for k in range(len(modes)):
+        chains = (home == k).nonzero().flatten().tolist()
+        # each home chain's draws in its mode, cut to the shortest (R-hat needs equal runs)
+        length = min(((by_chain[c] == k).sum().item() for c in chains), default=0)
+        if length >= 4:
+            per_group.append(
+                _chain_diagnostics(
+                    {
+                        name: torch.stack([v[c][by_chain[c] == k][:length] for c in chains])
+                        for name, v in result.samples_by_chain.items()
+                    }
+                )
+            )
+    diagnostics = {
+        name: {
+            # fmax / fmin: a coordinate constant in one group (no R-hat, nan) keeps the
+            # other groups' value
+            "r_hat": functools.reduce(torch.fmax, [d[name]["r_hat"] for d in per_group]),
+            "ess": functools.reduce(torch.fmin, [d[name]["ess"] for d in per_group]),
+        }
+        for name in result.diagnostics
+    }
+    return dataclasses.replace(
+        result, samples=samples, diagnostics=diagnostics, mode_weights=list(weights)
     )

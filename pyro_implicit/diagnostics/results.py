@@ -182,6 +182,12 @@ class ComparisonResult:
             f"{nuts.max_r_hat:.3f}, min ESS {nuts.min_ess:.0f}, "
             f"{nuts.num_divergences} divergences, {nuts.wall_time:.1f} s"
         )
+        if nuts.mode_weights:
+            weights = ", ".join(f"{w:.2f}" for w in nuts.mode_weights)
+            line += (
+                f"\nchains started in {len(nuts.mode_weights)} modes, draws weighted "
+                f"{weights} by the modes' Laplace mass (R-hat and ESS within each mode)"
+            )
         weak = nuts.weakness()
         if weak:
             line += (
