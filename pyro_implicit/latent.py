@@ -1375,9 +1375,10 @@ def _heaviest_mode(
             "from one Gaussian at the heaviest and tend to stay in it: on a two-mode "
             "posterior every guide's default put (nearly) all its draws there, about 0.5 "
             "posterior sds off. WeightSpaceSVGD starts its particles in every mode by "
-            "these weights, and kept them. Check a guide's fit against WeightSpaceSVGD or "
-            "NUTS with several chains (pyro_implicit.compare). Each mode's Laplace is in "
-            "the preconditioner's diagnostics['modes'].",
+            "these weights, and kept them. Check a guide's fit against WeightSpaceSVGD, or "
+            "with pyro_implicit.compare, whose NUTS starts chains in every mode and "
+            "weighs their draws by these weights. Each mode's Laplace is in the "
+            "preconditioner's diagnostics['modes'].",
             MultimodalPosteriorWarning,
             stacklevel=4,
         )

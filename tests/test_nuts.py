@@ -213,3 +213,27 @@ def test_constant_coordinates_have_no_r_hat_and_weak_runs_say_why():
     )
     assert result.max_r_hat == pytest.approx(1.002) and result.min_ess == pytest.approx(90.0)
     assert result.weakness() == "min ESS 90 < 400"
+
+
+def test_chains_start_at_their_initial_points_and_one_per_chain_is_needed():
+    """Two narrow modes 27 sds apart, which NUTS never crosses: each chain stays in the
+    mode it was started in (a constrained site, so the points are unconstrained ones)."""
+
+    def two_narrow_modes():
+        scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+        terms = [dist.Normal(m, 0.3).log_prob(torch.log(scale)) for m in (-4.0, 4.0)]
+        pyro.factor("modes", torch.stack(terms).logsumexp(0))
+
+    starts = [torch.tensor([4.0]), torch.tensor([-4.0])]
+    result = run_nuts(
+        two_narrow_modes,
+        num_samples=20,
+        warmup_steps=20,
+        num_chains=2,
+        progress_bar=False,
+        initial_points=starts,
+    )
+    log_scale = result.samples_by_chain["scale"].log()
+    assert (log_scale[0] > 2).all() and (log_scale[1] < -2).all()
+    with pytest.raises(ValueError, match="one point per chain"):
+        run_nuts(two_narrow_modes, num_chains=3, progress_bar=False, initial_points=starts)
