@@ -1249,10 +1249,16 @@ def _with_progress(score):
     return counted, bar
 
 
-def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
+class _ReachedKnownMode(Exception):
+    """Raised by an L-BFGS run of the mode search that has come within reach of a mode
+    found already (not a ``RuntimeError``: it passes :func:`_map_by_lbfgs`'s handling)."""
+
+
+def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None, stop=None):
     """Maximise the unconstrained log-density from ``u0`` by L-BFGS; ``(u, log_density)``
     of the best finite point seen (``None`` if none was finite). ``score``: a
-    :func:`_scorer` (default: the eager one)."""
+    :func:`_scorer` (default: the eager one); ``stop``: ``u -> bool``, asked at every
+    finite point, ends the run by raising :class:`_ReachedKnownMode` where true."""
     score = score or _scorer(space, args, kwargs)
     u = u0.detach().clone().requires_grad_(True)
     best = {"u": None, "lp": -math.inf}
@@ -1273,6 +1279,8 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None):
             u.grad = -grad[0]
             if lp[0].item() > best["lp"] and torch.isfinite(u.grad).all():
                 best["u"], best["lp"] = u.detach().clone(), lp[0].item()
+            if stop is not None and stop(u.detach()):
+                raise _ReachedKnownMode
         else:
             # a non-finite value: make the line search back off
             loss = torch.full_like(loss, math.inf)
@@ -1291,46 +1299,61 @@ def _find_modes(space, first, args, kwargs, max_iter, score, seed, num_starts=MO
     r"""The distinct modes that L-BFGS reaches from ``first`` (the ``(u, log_density)`` it
     reached from the model's starting point) and from ``num_starts`` starts uniform on
     :math:`(-2, 2)^D`, heaviest first: dicts with ``loc``, ``log_density``, ``laplace``
-    (the dense Laplace there) and ``weight``, the share of
+    (the dense Laplace there), ``first`` (whether it is ``first``'s) and ``weight``, the
+    share of
     :math:`\tilde p(\hat u)\,|\Sigma|^{1/2}` (the Laplace estimate of each mode's mass).
 
     An end point counts only where it is a strict local maximum (a negative definite
     Hessian) that L-BFGS has converged to (:data:`_MODE_TOLERANCE`): an unbounded density
     (a funnel's neck) leaves none. Two end points within :data:`_SAME_MODE_DISTANCE`
-    Laplace sds of each other are one mode. Deterministic given ``seed``."""
+    Laplace sds of each other are one mode, and a run from a start ends as soon as it
+    comes that near a mode found already. Deterministic given ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    ref = first[0]
     starts = torch.rand(num_starts, space.latent_dim, generator=gen, dtype=torch.float64)
-    ends = [first]
-    for start in (4 * starts - 2).to(ref):
-        try:
-            ends.append(_map_by_lbfgs(space, start, args, kwargs, max_iter, score))
-        except RuntimeError:  # no finite point from this start
-            continue
     modes = []
-    for u, _ in ends:
-        if u is None:
-            continue
+
+    def add_mode(u, first=False):
         try:
             laplace = _laplace(space, u, args, kwargs, True, score)
         except ValueError:
-            continue
+            return
         if laplace.clamped:
-            continue
+            return
         lp, grad = score(laplace.loc[None])
         lp = lp[0].item()
         newton = (laplace.scale_tril.T.to(torch.float64) @ grad[0].to(torch.float64)).norm()
         if not (math.isfinite(lp) and newton < _MODE_TOLERANCE):
-            continue
+            return
         if any(
             _within(mode["laplace"], laplace.loc) and _within(laplace, mode["loc"])
             for mode in modes
         ):
-            continue
+            return
         log_mass = lp + float(laplace.log_abs_det())
         modes.append(
-            {"loc": laplace.loc, "log_density": lp, "laplace": laplace, "log_mass": log_mass}
+            {
+                "loc": laplace.loc,
+                "log_density": lp,
+                "laplace": laplace,
+                "log_mass": log_mass,
+                "first": first,
+            }
         )
+
+    def known(u):
+        return any(_within(mode["laplace"], u) for mode in modes)
+
+    if first[0] is not None:
+        add_mode(first[0], first=True)
+    for start in (4 * starts - 2).to(first[0]):
+        try:
+            # a run that comes within a found mode's sd ends there: on a unimodal
+            # posterior most of the search's cost would be runs to the one mode again
+            u, _ = _map_by_lbfgs(space, start, args, kwargs, max_iter, score, stop=known)
+        except (RuntimeError, _ReachedKnownMode):  # no finite point, or a known mode
+            continue
+        if u is not None:
+            add_mode(u)
     if modes:
         log_mass = torch.tensor([mode["log_mass"] for mode in modes], dtype=torch.float64)
         for mode, weight in zip(
@@ -1348,11 +1371,13 @@ def _within(laplace, u):
 def _heaviest_mode(
     space, u_map, lp_map, args, kwargs, max_iter, score, seed, num_starts, diagnostics, progress
 ):
-    """``(u, log_density)`` of the heaviest mode :func:`_find_modes` finds besides
+    """``(u, log_density, laplace)`` of the heaviest mode :func:`_find_modes` finds besides
     ``u_map``, which stays where fewer than two modes are found (one mode, or an unbounded
-    density's neck); warns where a second mode carries :data:`MINOR_MODE_WEIGHT` of the
-    mass. Records ``mode_weights``, ``modes`` (each mode's Laplace, a
-    :class:`Preconditioner`) and ``mode_search_seconds`` in ``diagnostics``."""
+    density's neck); ``laplace`` is a copy of the dense Laplace there, where the search
+    made one (``None`` where ``u_map`` stays and is no mode). Warns where a second mode
+    carries :data:`MINOR_MODE_WEIGHT` of the mass. Records ``mode_weights``, ``modes``
+    (each mode's Laplace, a :class:`Preconditioner`) and ``mode_search_seconds`` in
+    ``diagnostics``."""
     import time
 
     from .errors import MultimodalPosteriorWarning
@@ -1364,7 +1389,8 @@ def _heaviest_mode(
     diagnostics["mode_weights"] = [mode["weight"] for mode in modes]
     diagnostics["modes"] = [mode["laplace"] for mode in modes]
     if len(modes) < 2:
-        return u_map, lp_map
+        own = [mode for mode in modes if mode["first"]]
+        return u_map, lp_map, _copy_laplace(own[0]["laplace"]) if own else None
     heaviest = modes[0]
     diagnostics["map_log_density"] = heaviest["log_density"]
     if modes[1]["weight"] >= MINOR_MODE_WEIGHT:
@@ -1382,7 +1408,15 @@ def _heaviest_mode(
             MultimodalPosteriorWarning,
             stacklevel=4,
         )
-    return heaviest["loc"], heaviest["log_density"]
+    return heaviest["loc"], heaviest["log_density"], _copy_laplace(heaviest["laplace"])
+
+
+def _copy_laplace(laplace):
+    """A Laplace of its own for the search to go on from (a method's preconditioner keeps
+    its last draw, which the one in ``diagnostics["modes"]`` should not)."""
+    found = Preconditioner(laplace.loc.clone(), scale_tril=laplace.scale_tril.clone())
+    found.source, found.clamped = laplace.source, laplace.clamped
+    return found
 
 
 def spread_over_modes(preconditioner, z):
@@ -1821,14 +1855,20 @@ def find_preconditioner(
             diagnostics["map_log_density"] = lp_map
         except RuntimeError as e:
             problem = f"the MAP search failed ({e})"
+        mode_laplace = None
+        # not a network's weights (their symmetries make every start a mode), nor a model
+        # that subsamples its data: each start's L-BFGS runs full-data passes, on a
+        # 100 000-row regression 4.4 s more for a search of 3.3 s
+        # (audit_probes_s65.md, section 2)
         if (
             u_map is not None
             and mode_starts
             and dense
             and dim <= MODE_SEARCH_LIMIT
             and not space.network
+            and not space.subsample_plates
         ):
-            u_map, lp_map = _heaviest_mode(
+            u_map, lp_map, mode_laplace = _heaviest_mode(
                 space,
                 u_map,
                 lp_map,
@@ -1846,7 +1886,11 @@ def find_preconditioner(
             try:
                 mark = time.perf_counter()
                 progress.set_postfix_str("Laplace", refresh=False)
-                laplace = _laplace(space, u_map, args, kwargs, dense, score)
+                # the mode search's Laplace at u_map where it made one (the same
+                # computation: a dense Hessian is seconds on a model of much data)
+                laplace = mode_laplace
+                if laplace is None:
+                    laplace = _laplace(space, u_map, args, kwargs, dense, score)
                 diagnostics["laplace_seconds"] = time.perf_counter() - mark
             except ValueError as e:
                 problem = f"{e}"
