@@ -632,6 +632,8 @@ def test_subsampled_model_is_preconditioned_on_the_full_data(subsample_size):
     precision = 20 + 1e-2
     assert guide.preconditioner.loc.item() == pytest.approx(x.sum().item() / precision)
     assert guide.preconditioner.scale_tril.item() == pytest.approx(precision**-0.5)
+    # its modes are not searched for (each start would run full-data passes)
+    assert "mode_weights" not in guide.preconditioner.diagnostics
 
 
 def test_a_subsampled_models_gaussian_fit_steps_on_minibatches(monkeypatch):
