@@ -66,8 +66,8 @@ class NUTSResult:
         transition diverged (ArviZ's ``sample_stats.diverging``).
     :ivar list mode_weights: ``None``, or, for a run whose chains started in several modes
         (:func:`weigh_by_modes`), the modes' weights that ``samples`` follow; its
-        ``samples_by_chain`` are then the chains as run, and ``diagnostics`` the worst
-        over the modes' groups of chains.
+        ``samples_by_chain`` are then the chains as run, and ``diagnostics`` are taken
+        within each mode, the worst kept.
     """
 
     samples: dict
@@ -426,6 +426,8 @@ def weigh_by_modes(result, space, modes, weights, seed=0):
                     }
                 )
             )
+    if not per_group:  # no mode holds four draws of its chains: the chains' own stand
+        per_group = [result.diagnostics]
     diagnostics = {
         name: {
             # fmax / fmin: a coordinate constant in one group (no R-hat, nan) keeps the
