@@ -35,6 +35,7 @@ from .guides import (
     SemiImplicitGuide,
 )
 from .latent import LatentSpace, Preconditioner, PreconditionerWarning
+from .modes import ModeMixture, fit_per_mode
 from .particles import FunctionSpaceSVGD, WeightSpaceSVGD
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "DataError",
     "DivergenceError",
     "FewParticlesWarning",
+    "ModeMixture",
     "ModelError",
     "MultimodalPosteriorWarning",
     "PairingError",
@@ -74,4 +76,5 @@ __all__ = [
     "SteinScoreELBO",
     "VectorizationError",
     "kernels",
+    "fit_per_mode",
 ]

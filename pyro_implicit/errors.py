@@ -104,4 +104,5 @@ class MultimodalPosteriorWarning(UserWarning):
     """The preconditioner's search found more than one mode of the posterior, each carrying
     a real share of its mass by the Laplace estimate. Every method starts from one Gaussian
     at the heaviest mode, and a fit started there tends to stay in it: its draws then miss
-    the other modes' mass. The message gives the modes' weights and what to try."""
+    the other modes' mass. The message gives the modes' weights and what to use instead
+    (``WeightSpaceSVGD``, or :func:`~pyro_implicit.modes.fit_per_mode` for a guide)."""

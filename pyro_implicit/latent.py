@@ -71,7 +71,9 @@ __all__ = [
     "PreconditionerWarning",
     "check_precondition",
     "find_preconditioner",
+    "mode_of",
     "resolve_precondition",
+    "significant_modes",
 ]
 
 #: largest D for which the preconditioner is dense (a D x D Hessian, D model runs batched)
@@ -1401,14 +1403,47 @@ def _heaviest_mode(
             "from one Gaussian at the heaviest and tend to stay in it: on a two-mode "
             "posterior every guide's default put (nearly) all its draws there, about 0.5 "
             "posterior sds off. WeightSpaceSVGD starts its particles in every mode by "
-            "these weights, and kept them. Check a guide's fit against WeightSpaceSVGD, or "
-            "with pyro_implicit.compare, whose NUTS starts chains in every mode and "
-            "weighs their draws by these weights. Each mode's Laplace is in the "
-            "preconditioner's diagnostics['modes'].",
+            "these weights, and kept them. For a guide, pyro_implicit.fit_per_mode fits "
+            "it once per mode and mixes the fits by these weights. "
+            "pyro_implicit.compare's NUTS starts chains in every mode and weighs their "
+            "draws the same way. Each mode's Laplace is in the preconditioner's "
+            "diagnostics['modes'].",
             MultimodalPosteriorWarning,
             stacklevel=4,
         )
     return heaviest["loc"], heaviest["log_density"], _copy_laplace(heaviest["laplace"])
+
+
+def significant_modes(preconditioner):
+    """``(modes, weights)``: the Laplaces of the modes that ``preconditioner``'s search
+    found holding at least :data:`MINOR_MODE_WEIGHT` of the mass each, their weights
+    renormalised, where there are two or more; else ``([], [])``."""
+    diagnostics = getattr(preconditioner, "diagnostics", None) or {}
+    found = [
+        (mode, weight)
+        for mode, weight in zip(
+            diagnostics.get("modes", []), diagnostics.get("mode_weights", []), strict=True
+        )
+        if weight >= MINOR_MODE_WEIGHT
+    ]
+    if len(found) < 2:
+        return [], []
+    total = sum(weight for _, weight in found)
+    return [mode for mode, _ in found], [weight / total for _, weight in found]
+
+
+def mode_of(u, modes, weights):
+    r"""For each row of ``u`` ``(N, D)``, the index of the mode whose weighted Laplace
+    density :math:`w_k N(u; m_k, \Sigma_k)` is highest there."""
+    with torch.no_grad():
+        u = u.to(modes[0].loc)
+        scores = torch.stack(
+            [
+                mode.distribution().log_prob(u) + math.log(weight)
+                for mode, weight in zip(modes, weights, strict=True)
+            ]
+        )
+    return scores.argmax(0)
 
 
 def _copy_laplace(laplace):

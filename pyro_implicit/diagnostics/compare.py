@@ -47,7 +47,6 @@ from pyro.poutine.messenger import Messenger
 
 from ..elbo.base import DivergenceError, check_observed_finite, check_vectorized_log_joint
 from ..latent import (
-    MINOR_MODE_WEIGHT,
     LatentSpace,
     Preconditioner,
     PreconditionerWarning,
@@ -55,6 +54,7 @@ from ..latent import (
     completed_model,
     no_latent_sites_error,
     plate_nesting,
+    significant_modes,
 )
 from .draws import (
     guess_max_plate_nesting,
@@ -670,24 +670,12 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
 
 
 def _modes_of(shared, run_kwargs):
-    """``(modes, weights)``: the Laplaces of the modes that the shared search found holding
-    at least :data:`~pyro_implicit.latent.MINOR_MODE_WEIGHT` of the mass each (their
-    weights renormalised), where there are two or more and NUTS's start is its own (no
+    """``(modes, weights)`` for NUTS to start in: the shared search's
+    :func:`~pyro_implicit.latent.significant_modes`, where NUTS's start is its own (no
     ``init_strategy`` given); else ``([], [])``."""
     if not isinstance(shared, dict) or "init_strategy" in run_kwargs:
         return [], []
-    diagnostics = getattr(next(iter(shared.values())), "diagnostics", None) or {}
-    found = [
-        (mode, weight)
-        for mode, weight in zip(
-            diagnostics.get("modes", []), diagnostics.get("mode_weights", []), strict=True
-        )
-        if weight >= MINOR_MODE_WEIGHT
-    ]
-    if len(found) < 2:
-        return [], []
-    total = sum(weight for _, weight in found)
-    return [mode for mode, _ in found], [weight / total for _, weight in found]
+    return significant_modes(next(iter(shared.values())))
 
 
 def _ran_gaussian_fit(pre):

@@ -383,17 +383,11 @@ def weigh_by_modes(result, space, modes, weights, seed=0):
     :rtype: NUTSResult
     :raises ValueError: where a mode with a positive share holds none of the draws.
     """
-    names = [s.name for s in space.sites]
+    from ..latent import mode_of
+
     with torch.no_grad():
-        u = space.pack({name: result.samples[name] for name in names})
-        u = u.to(modes[0].loc)
-        scores = torch.stack(
-            [
-                mode.distribution().log_prob(u) + math.log(weight)
-                for mode, weight in zip(modes, weights, strict=True)
-            ]
-        )
-    owner = scores.argmax(0)
+        u = space.pack({s.name: result.samples[s.name] for s in space.sites})
+    owner = mode_of(u, modes, weights)
     total = owner.numel()
     shares = torch.tensor(weights, dtype=torch.float64) * total
     counts = shares.floor().long()
