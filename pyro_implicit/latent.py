@@ -71,6 +71,7 @@ __all__ = [
     "PreconditionerWarning",
     "check_precondition",
     "find_preconditioner",
+    "mode_counts",
     "mode_of",
     "resolve_precondition",
     "significant_modes",
@@ -1432,6 +1433,15 @@ def significant_modes(preconditioner):
     return [mode for mode, _ in found], [weight / total for _, weight in found]
 
 
+def mode_counts(weights, total):
+    """``total`` split by ``weights`` into whole counts (largest remainders), ``(K,)``
+    long: how many particles or draws each mode gets."""
+    shares = torch.tensor(weights, dtype=torch.float64) * total
+    counts = shares.floor().long()
+    counts[(shares - counts).argsort(descending=True)[: total - int(counts.sum())]] += 1
+    return counts
+
+
 def mode_of(u, modes, weights):
     r"""For each row of ``u`` ``(N, D)``, the index of the mode whose weighted Laplace
     density :math:`w_k N(u; m_k, \Sigma_k)` is highest there."""
@@ -1470,10 +1480,7 @@ def spread_over_modes(preconditioner, z):
     modes, weights = diagnostics.get("modes", []), diagnostics.get("mode_weights", [])
     if len(modes) < 2:
         return z
-    n = z.shape[0]
-    shares = torch.tensor(weights, dtype=torch.float64) * n
-    counts = shares.floor().long()
-    counts[(shares - counts).argsort(descending=True)[: n - int(counts.sum())]] += 1
+    counts = mode_counts(weights, z.shape[0])
     spread = z.clone()
     stop = int(counts[0])
     for mode, count in zip(modes[1:], counts[1:].tolist(), strict=True):

@@ -15,8 +15,15 @@ mode-weighted NUTS reference of :func:`~pyro_implicit.diagnostics.compare` does.
 import pyro
 import torch
 from pyro.infer import SVI
+from tqdm import tqdm
 
-from .latent import LatentSpace, mode_of, resolve_precondition, significant_modes
+from .latent import (
+    LatentSpace,
+    mode_counts,
+    mode_of,
+    resolve_precondition,
+    significant_modes,
+)
 from .progress import refresh_intervals
 from .random_streams import random_streams_kept
 
@@ -50,9 +57,7 @@ class ModeMixture:
             :data:`MIN_SHARE_IN_MODE` of them in it, or too few after ``max_rounds``
             rounds): that fit has not found its mode's mass.
         """
-        shares = torch.tensor(self.weights, dtype=torch.float64) * num_samples
-        counts = shares.floor().long()
-        counts[(shares - counts).argsort(descending=True)[: num_samples - int(counts.sum())]] += 1
+        counts = mode_counts(self.weights, num_samples)
         store = pyro.get_param_store()
         parts = []
         for k, (guide, state, count) in enumerate(
@@ -138,21 +143,14 @@ def fit_per_mode(
             pyro.set_rng_seed(seed)
             guide, loss = build(model, mode)
             svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), loss)
-            bar = _bar(progress, f"mode {k + 1}/{len(modes)}", num_steps)
-            for _ in range(num_steps):
+            steps = tqdm(
+                range(num_steps),
+                desc=f"mode {k + 1}/{len(modes)}",
+                disable=not progress,
+                **refresh_intervals(),
+            )
+            for _ in steps:
                 svi.step(*args, **kwargs)
-                if bar is not None:
-                    bar.update()
-            if bar is not None:
-                bar.close()
         guides.append(guide)
         states.append(state)
     return ModeMixture(guides, states, modes, weights)
-
-
-def _bar(progress, desc, total):
-    if not progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(desc=desc, total=total, **refresh_intervals())

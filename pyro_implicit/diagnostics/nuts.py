@@ -23,11 +23,15 @@ from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
 from ..errors import ModelError
 from ..latent import (
+    LatentSpace,
     check_fixed_supports,
     check_no_point_mass_latents,
     check_no_subsampled_local_latents,
     check_trace_continuous,
     completed_model,
+    mode_counts,
+    mode_of,
+    plate_nesting,
 )
 from ..progress import refresh_intervals
 
@@ -119,7 +123,7 @@ def _full_data_space(model, args, kwargs, max_plate_nesting):
     (NUTS then samples its full-data posterior through a potential function), else
     ``None``. Refuses a support that moves with another latent (:func:`~pyro_implicit.
     latent.check_fixed_supports`)."""
-    from ..latent import LatentSpace, _is_subsampled, plate_nesting
+    from ..latent import _is_subsampled
 
     rng = pyro.util.get_rng_state()
     try:
@@ -348,8 +352,6 @@ def _chain_starts(model, args, kwargs, max_plate_nesting, space, initial_points)
         return None
     if space is not None:
         return [torch.as_tensor(u).detach() for u in initial_points]
-    from ..latent import LatentSpace, plate_nesting
-
     rng = pyro.util.get_rng_state()
     try:
         with torch.no_grad(), poutine.block():
@@ -383,15 +385,10 @@ def weigh_by_modes(result, space, modes, weights, seed=0):
     :rtype: NUTSResult
     :raises ValueError: where a mode with a positive share holds none of the draws.
     """
-    from ..latent import mode_of
-
     with torch.no_grad():
         u = space.pack({s.name: result.samples[s.name] for s in space.sites})
     owner = mode_of(u, modes, weights)
-    total = owner.numel()
-    shares = torch.tensor(weights, dtype=torch.float64) * total
-    counts = shares.floor().long()
-    counts[(shares - counts).argsort(descending=True)[: total - int(counts.sum())]] += 1
+    counts = mode_counts(weights, owner.numel())
     chosen = []
     for k, count in enumerate(counts.tolist()):
         held = (owner == k).nonzero().flatten()
