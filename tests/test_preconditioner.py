@@ -249,6 +249,72 @@ def test_the_search_finds_both_modes_and_starts_at_the_heavier(two_modes, minor,
     assert pre.diagnostics["modes"][1].loc[0].item() == pytest.approx(-2.0, abs=0.05)
 
 
+def _normal_and_student(dim, df=3.0, apart=4.0):
+    """x ~ N(0, 10^2) per coordinate, times the factor of an equal mixture of
+    prod N(x_j; -apart, 1) and prod t_df(x_j; apart, 1): two modes, one Gaussian and one
+    whose tails are heavier than its Laplace's. Each is a product over coordinates, so its
+    exact mass is a one-dimensional integral to the power ``dim``. Returns the model and
+    the exact masses ``[student, normal]``."""
+
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 10.0).expand([dim]).to_event(1))
+        normal = dist.Normal(-apart, 1.0).log_prob(x).sum(-1)
+        student = dist.StudentT(df, apart, 1.0).log_prob(x).sum(-1)
+        pyro.factor("mixture", torch.stack([normal, student]).logsumexp(0))
+
+    grid = torch.linspace(-200.0, 200.0, 400001)
+    prior = dist.Normal(0.0, 10.0).log_prob(grid)
+    mass = [
+        torch.trapezoid((prior + part.log_prob(grid)).exp(), grid).item() ** dim
+        for part in (dist.StudentT(df, apart, 1.0), dist.Normal(-apart, 1.0))
+    ]
+    return model, [m / sum(mass) for m in mass]
+
+
+def test_the_modes_weights_are_their_masses_where_a_mode_is_heavy_tailed():
+    """A Student-t(3) mode beside a Normal one of (nearly) equal mass, in five dimensions:
+    the Laplace volume misses the t mode's tails and gives it a quarter of the mass; the
+    importance correction weighs both as their exact masses. The part of the space the
+    classifier gives each mode holds its component's mass to 0.002 (its tails beyond are
+    that thin), so the components' masses are the reference."""
+    model, (student, normal) = _normal_and_student(5)
+    space, _ = space_of(model, ())
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        pre = find_preconditioner(space, torch.full((5,), -4.0), ())
+    found = pre.diagnostics
+    assert len(found["modes"]) == 2 and found["mode_weights_source"] == "importance"
+    at = {round(mode.loc[0].item()): k for k, mode in enumerate(found["modes"])}
+    weights = [found["mode_weights"][at[4]], found["mode_weights"][at[-4]]]
+    laplace = found["mode_laplace_weights"][at[4]]
+    assert laplace < student - 0.2  # what the Laplace alone says
+    assert weights == pytest.approx([student, normal], abs=0.02)
+
+
+def test_modes_keep_their_laplace_weights_where_the_correction_is_refused(
+    two_modes, monkeypatch
+):
+    """Where the importance weights are refused (here: every k-hat and every peak made
+    too high to pass), the Laplace weights stay, the diagnostics say so, and the warning
+    says that the weights could not be checked."""
+    import pyro_implicit.diagnostics.importance as importance
+    import pyro_implicit.latent as latent
+    from pyro_implicit import MultimodalPosteriorWarning
+
+    monkeypatch.setattr(importance, "K_HAT_THRESHOLD", -math.inf)
+    monkeypatch.setattr(latent, "_MODE_WEIGHT_PEAK", 0.0)
+    model, _ = two_modes(0.3)
+    space, _ = space_of(model, ())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = find_preconditioner(space, torch.tensor([-2.0, 0.0]), ())
+    found = pre.diagnostics
+    assert found["mode_weights_source"] == "laplace"
+    assert found["mode_weights"] == found["mode_laplace_weights"]
+    (said,) = [w for w in caught if issubclass(w.category, MultimodalPosteriorWarning)]
+    assert "could not check them" in str(said.message) and "k-hat" in str(said.message)
+
+
 def test_a_single_mode_leaves_the_search_as_it_was():
     """On a Gaussian posterior every start ends at the one mode: the same preconditioner
     as without the extra starts, and no warning."""
