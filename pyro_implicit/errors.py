@@ -102,7 +102,8 @@ class FewParticlesWarning(UserWarning):
 
 class MultimodalPosteriorWarning(UserWarning):
     """The preconditioner's search found more than one mode of the posterior, each carrying
-    a real share of its mass by the Laplace estimate. Every method starts from one Gaussian
+    a real share of its mass (estimated by importance sampling, or by the modes' Laplace
+    volumes where that was refused). Every method starts from one Gaussian
     at the heaviest mode, and a fit started there tends to stay in it: its draws then miss
     the other modes' mass. The message gives the modes' weights and what to use instead
     (``WeightSpaceSVGD``, or :func:`~pyro_implicit.modes.fit_per_mode` for a guide)."""

@@ -127,7 +127,7 @@ MODE_STARTS = 4
 #: are never searched)
 MODE_SEARCH_LIMIT = _VI_DENSE_LIMIT
 
-#: the Laplace weight of a second mode above which the search warns
+#: the weight of a second mode above which the search warns
 #: (:class:`~pyro_implicit.errors.MultimodalPosteriorWarning`)
 MINOR_MODE_WEIGHT = 0.05
 
@@ -1631,7 +1631,7 @@ def spread_over_modes(preconditioner, z):
     :math:`L^{-1}(m_k + L_k z - m)`. Unchanged where fewer than two modes were found.
 
     SVGD keeps particles in modes far apart in the kernel's scale, so particles started
-    this way keep the modes' Laplace weights: on two two-mode posteriors (masses 0.76 /
+    this way keep the modes' weights: on two two-mode posteriors (masses 0.76 /
     0.24 and 0.78 / 0.22) ``WeightSpaceSVGD`` ended 0.003-0.021 posterior sds off at seeds
     0-2, against 0.14-0.52 from the heaviest mode's Gaussian alone
     (``benchmarks/results/audit_probes_s65.md``, section 2)."""

@@ -3,7 +3,7 @@
 A guide fitted by a reverse-KL loss from a Gaussian at one mode stays in that mode: on a
 two-mode posterior every guide of the library, started at the heaviest mode, was about
 0.5 posterior sds off (``benchmarks/results/audit_probes_s65.md``). The preconditioner's
-search finds the modes and weighs them by their Laplace mass
+search finds the modes and weighs them by their mass
 (:func:`~pyro_implicit.latent.find_preconditioner`); :func:`fit_per_mode` fits the method
 once per mode, started at that mode's Laplace, and :class:`ModeMixture` draws from each
 fit its mode's share. A fit that wanders out of its mode (a shallow valley) is kept to it:

@@ -522,7 +522,7 @@ def test_a_weak_reference_is_said_under_the_table(y, nuts):
 def test_nuts_starts_in_every_mode_and_weighs_its_draws_as_the_modes(two_modes):
     """Two modes (masses 0.30 / 0.70), a valley NUTS's chains rarely cross: compare's NUTS
     starts two chains in each mode the search found and resamples their draws to the
-    modes' Laplace weights, so the reference has the posterior's exact mean and sd. R-hat
+    modes' weights, so the reference has the posterior's exact mean and sd. R-hat
     is taken within each mode, where the chains mix."""
     from pyro_implicit import MultimodalPosteriorWarning
 

@@ -18,7 +18,7 @@ from pyro_implicit import (
 
 def test_one_fit_per_mode_mixed_by_weight_is_the_posterior(two_modes):
     """Masses 0.30 / 0.70: one ``SteinScoreELBO`` fit started in each mode, their draws
-    mixed by the modes' Laplace weights, give the exact mean and sd of ``a`` and its mass
+    mixed by the modes' weights, give the exact mean and sd of ``a`` and its mass
     below zero. One fit from the heaviest mode alone missed the lighter mode's 30%."""
     model, exact = two_modes(0.3)
 

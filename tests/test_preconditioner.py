@@ -245,7 +245,9 @@ def test_the_search_finds_both_modes_and_starts_at_the_heavier(two_modes, minor,
     assert pre.loc[0].item() == pytest.approx(2.0, abs=0.1)
     weights = pre.diagnostics["mode_weights"]
     assert len(weights) == 2
-    assert weights[1] == pytest.approx(exact["minor_mass"], abs=0.01)
+    # the modes are Gaussian near their tops, so the importance correction's control
+    # variates leave it all but exact (0.0005 off; without them, 0.004 off at this seed)
+    assert weights[1] == pytest.approx(exact["minor_mass"], abs=0.002)
     assert pre.diagnostics["modes"][1].loc[0].item() == pytest.approx(-2.0, abs=0.05)
 
 
@@ -291,9 +293,7 @@ def test_the_modes_weights_are_their_masses_where_a_mode_is_heavy_tailed():
     assert weights == pytest.approx([student, normal], abs=0.02)
 
 
-def test_modes_keep_their_laplace_weights_where_the_correction_is_refused(
-    two_modes, monkeypatch
-):
+def test_modes_keep_their_laplace_weights_where_the_correction_is_refused(two_modes, monkeypatch):
     """Where the importance weights are refused (here: every k-hat and every peak made
     too high to pass), the Laplace weights stay, the diagnostics say so, and the warning
     says that the weights could not be checked."""

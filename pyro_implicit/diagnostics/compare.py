@@ -309,7 +309,7 @@ def compare(
     kind, seconds, peak_mb}}``). Where the search found several modes, each holding at
     least :data:`~pyro_implicit.latent.MINOR_MODE_WEIGHT` of the mass, NUTS runs
     ``num_chains`` chains started in each, and its draws are resampled to the modes'
-    Laplace weights (:func:`~pyro_implicit.diagnostics.nuts.weigh_by_modes`): chains that
+    weights (:func:`~pyro_implicit.diagnostics.nuts.weigh_by_modes`): chains that
     stay in their modes cannot weigh them. On a two-mode posterior (masses 0.78 / 0.22)
     that reference was 0.013 exact sds off, where two chains from NUTS's own start had
     sat one in each mode (R-hat 8.3).
@@ -452,7 +452,7 @@ def compare(
             }
             _say(
                 progress,
-                f"NUTS: the search found {len(modes)} modes (Laplace weights "
+                f"NUTS: the search found {len(modes)} modes (weights "
                 + ", ".join(f"{w:.2f}" for w in weights)
                 + f"), which its chains do not cross: {per_mode} chain(s) start in each",
             )

@@ -372,7 +372,7 @@ def weigh_by_modes(result, space, modes, weights, seed=0):
     highest at it, and ``samples`` are the draws resampled so that mode ``k`` holds
     ``weights[k]`` of them (evenly spaced within its draws, the modes' draws then shuffled
     by ``seed``). Within a mode NUTS's draws stand; across modes the weights are the
-    search's Laplace estimate of each mode's mass
+    search's estimate of each mode's mass
     (:func:`~pyro_implicit.latent.find_preconditioner`), which chains that stay in their
     modes cannot give. R-hat and the effective sample size are taken within each mode:
     over the chains that spend most of their draws there (a chain may settle in another

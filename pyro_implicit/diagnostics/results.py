@@ -186,7 +186,7 @@ class ComparisonResult:
             weights = ", ".join(f"{w:.2f}" for w in nuts.mode_weights)
             line += (
                 f"\nchains started in {len(nuts.mode_weights)} modes, draws weighted "
-                f"{weights} by the modes' Laplace mass (R-hat and ESS within each mode)"
+                f"{weights} by the modes' masses (R-hat and ESS within each mode)"
             )
         weak = nuts.weakness()
         if weak:
