@@ -157,7 +157,7 @@ _MODE_PROPOSAL_WIDTH = 2.0
 #: the correction is refused where a mode's weights both look heavy-tailed (Pareto k-hat
 #: above 0.7) and peak above this many times their mean. k-hat alone misreads weights
 #: that crowd below a bound, as a proposal close to the mode makes them: on modes whose
-#: largest weight was 1.5-8 times the mean it read 0.7-1.7 where the corrected weights
+#: largest weight was 1.5-8.5 times the mean it read 0.72-1.67 where the corrected weights
 #: were within 0.009 of exact (``benchmarks/results/audit_probes_s66.md``)
 _MODE_WEIGHT_PEAK = 10.0
 
