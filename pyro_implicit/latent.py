@@ -1564,7 +1564,8 @@ def _heaviest_mode(
             "posterior every guide's default put (nearly) all its draws there, about 0.5 "
             "posterior sds off. WeightSpaceSVGD starts its particles in every mode by "
             "these weights, and kept them. For a guide, pyro_implicit.fit_per_mode fits "
-            "it once per mode and mixes the fits by these weights. "
+            "it once per mode and mixes the fits by these weights (compare takes the "
+            "mixture as a row: methods={'label': mixture}). "
             "pyro_implicit.compare's NUTS starts chains in every mode and weighs their "
             "draws the same way. Each mode's Laplace is in the preconditioner's "
             "diagnostics['modes'].",

@@ -123,7 +123,8 @@ def fit_per_mode(
 
     :param callable build: ``(model, precondition) -> (guide, loss)``, e.g.
         ``lambda m, p: (ImplicitGuide(m, precondition=p), SteinScoreELBO())``.
-    :return: the fits and the modes' weights.
+    :return: the fits and the modes' weights; :func:`~pyro_implicit.diagnostics.compare`
+        takes it as a fitted row (``methods={"label": mixture}``) to set it beside NUTS.
     :rtype: ModeMixture
     """
     if max_plate_nesting is None:

@@ -66,3 +66,27 @@ def test_each_fit_gives_only_its_modes_draws_and_a_fit_that_left_is_refused():
     leaving = ModeMixture([_Draws(0.01), _Draws(0.0)], [state, state], modes, [0.75, 0.25])
     with pytest.raises(RuntimeError, match="mode 0 left it"):
         leaving.sample_posterior(2000)
+
+
+def test_compare_takes_a_mode_mixture_as_a_fitted_row():
+    """``compare(model, methods={label: mixture})`` draws the row from the mixture, by the
+    modes' weights (the way to set ``fit_per_mode`` beside NUTS and the other methods)."""
+    from pyro_implicit.diagnostics import compare
+
+    def model():
+        pyro.sample("x", pyro.distributions.Normal(0.0, 3.0))
+
+    modes = [Preconditioner(torch.tensor([m]), scale=torch.ones(1)) for m in (2.0, -2.0)]
+    state = pyro.get_param_store().get_state()
+    mixture = ModeMixture([_Draws(1.0), _Draws(0.0)], [state, state], modes, [0.75, 0.25])
+    result = compare(
+        model,
+        methods={"per mode": mixture},
+        nuts=False,
+        num_samples=1000,
+        progress=False,
+        diagnostics=False,
+    )
+    x = result.methods["per mode"].samples["x"]
+    assert x.shape == (1000,)
+    assert (x > -math.log(3.0) / 4).double().mean().item() == 0.75
