@@ -11,11 +11,12 @@
 * :class:`DivergenceError`: a fit that has diverged (not a bad input: a run that went
   wrong).
 
-Three warnings live here too: :class:`RunawayWarning`, a fit whose estimator has left the
+Four warnings live here too: :class:`RunawayWarning`, a fit whose estimator has left the
 region where it is accurate (every number finite, the posterior not to be trusted),
 :class:`FewParticlesWarning`, a particle method set up with too few particles for its
-latent dimension, and :class:`MultimodalPosteriorWarning`, a posterior whose search found
-more than one mode.
+latent dimension, :class:`MultimodalPosteriorWarning`, a posterior whose search found
+more than one mode, and :class:`LabelSwitchingWarning`, modes that are relabellings of
+one another.
 
 Each is also the built-in exception these problems raised before it existed
 (``ValueError``, ``TypeError``; :class:`UnsupportedPairError` is a ``PairingError`` and a
@@ -31,6 +32,7 @@ __all__ = [
     "DivergenceError",
     "FewParticlesWarning",
     "ModelError",
+    "LabelSwitchingWarning",
     "MultimodalPosteriorWarning",
     "PairingError",
     "PyroImplicitError",
@@ -98,6 +100,14 @@ class FewParticlesWarning(UserWarning):
     lose spread as the dimension grows against their number (Ba et al., 2022,
     *Understanding the variance collapse of SVGD in high dimensions*), and a scale that
     many latents share drifts to make up for it. The message gives the count to pass."""
+
+
+class LabelSwitchingWarning(UserWarning):
+    """The preconditioner's search found modes that are relabellings of one another: the
+    same values in every site, in another order, at the same density, as the components
+    of a mixture that the model does not order have. The search keeps one labelling
+    (each labelling is the whole answer up to the order of the labels); the message says
+    how to fix the labels in the model."""
 
 
 class MultimodalPosteriorWarning(UserWarning):

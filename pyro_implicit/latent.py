@@ -139,6 +139,13 @@ _MODE_TOLERANCE = 1e-2
 #: two modes are one where each lies within this many of the other's Laplace sds
 _SAME_MODE_DISTANCE = 1.0
 
+#: two modes are relabellings of one another (label switching: a mixture's components in
+#: another order) where their log-densities differ by less than this many nats, their
+#: Laplace log-volumes by less than ten times it, and every site holds the same values in
+#: another order, to a relative :data:`_RELABEL_RTOL` of the site's largest value
+_RELABEL_LOG_DENSITY = 1e-3
+_RELABEL_RTOL = 1e-3
+
 #: draws per mode by which importance sampling corrects the modes' Laplace weights (half
 #: from each mode's Laplace, half from a wider Student-t, :func:`_importance_mode_weights`).
 #: The Laplace volume misses a mode's tails: a Student-t(1.5) mode beside a Normal one of
@@ -1323,7 +1330,9 @@ def _map_by_lbfgs(space, u0, args, kwargs, max_iter, score=None, stop=None):
     return best["u"], best["lp"]
 
 
-def _find_modes(space, first, args, kwargs, max_iter, score, seed, num_starts=MODE_STARTS):
+def _find_modes(
+    space, first, args, kwargs, max_iter, score, seed, num_starts=MODE_STARTS, merge=True
+):
     r"""The distinct modes that L-BFGS reaches from ``first`` (the ``(u, log_density)`` it
     reached from the model's starting point) and from ``num_starts`` starts uniform on
     :math:`(-2, 2)^D`, heaviest first, and the importance correction's ``{"k_hat",
@@ -1391,13 +1400,65 @@ def _find_modes(space, first, args, kwargs, max_iter, score, seed, num_starts=MO
             modes, (log_mass - log_mass.logsumexp(0)).exp().tolist(), strict=True
         ):
             mode["weight"] = mode["laplace_weight"] = weight
+    groups = _relabelling_groups(space, modes) if merge else [[i] for i in range(len(modes))]
     correction = {}
-    if len(modes) > 1:
+    if len(groups) > 1:
+        # over every mode found, relabelled ones too: each is a part of the space whose
+        # mass the others' parts must not take
         weights, k_hat, problem = _importance_mode_weights(space, modes, args, kwargs, gen)
         correction = {"k_hat": k_hat, "problem": problem}
         for mode, weight in zip(modes, weights or [], strict=False):
             mode["weight"] = weight
-    return sorted(modes, key=lambda mode: -mode["weight"]), correction
+    # one labelling per mode: the weights among the modes the groups keep (every
+    # relabelling of a mode holds the same mass, so the kept one's share stands for it
+    # however many of its relabellings the starts reached)
+    distinct = [modes[group[0]] for group in groups]
+    for key in ("weight", "laplace_weight"):
+        total = sum(mode[key] for mode in distinct)
+        for mode in distinct:
+            mode[key] = mode[key] / total
+    for mode, group in zip(distinct, groups, strict=True):
+        mode["copies"] = len(group)
+    return sorted(distinct, key=lambda mode: -mode["weight"]), correction
+
+
+def _site_values_sorted(space, loc):
+    """Each site's constrained values at ``loc``, flattened and sorted."""
+    with torch.no_grad():
+        values = space.unpack(loc[None])
+    return {name: value.reshape(-1).sort().values for name, value in values.items()}
+
+
+def _relabelling_groups(space, modes):
+    """The modes in groups of relabellings of one another (:data:`_RELABEL_LOG_DENSITY`),
+    as lists of indices into ``modes``, each led by its first found (the model's own start's
+    mode where it is one): a mixture whose components the model does not order has each
+    mode once per order of its components, all of the same mass, and a posterior
+    only up to that order."""
+    values = [_site_values_sorted(space, mode["loc"]) for mode in modes]
+    log_volume = [float(mode["laplace"].log_abs_det()) for mode in modes]
+
+    def relabelled(i, j):
+        if abs(modes[i]["log_density"] - modes[j]["log_density"]) > _RELABEL_LOG_DENSITY:
+            return False
+        if abs(log_volume[i] - log_volume[j]) > 10 * _RELABEL_LOG_DENSITY:
+            return False
+        for name, a in values[i].items():
+            b = values[j][name]
+            scale = max(a.abs().max().item(), b.abs().max().item(), 1e-12)
+            if not torch.allclose(a, b, rtol=0.0, atol=_RELABEL_RTOL * scale):
+                return False
+        return True
+
+    groups = []
+    for i in range(len(modes)):
+        for group in groups:
+            if relabelled(group[0], i):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
 
 
 def _mode_proposals_log_density(u, laplaces):
@@ -1518,7 +1579,18 @@ def _within(laplace, u):
 
 
 def _heaviest_mode(
-    space, u_map, lp_map, args, kwargs, max_iter, score, seed, num_starts, diagnostics, progress
+    space,
+    u_map,
+    lp_map,
+    args,
+    kwargs,
+    max_iter,
+    score,
+    seed,
+    num_starts,
+    diagnostics,
+    progress,
+    merge_relabellings=True,
 ):
     """``(u, log_density, laplace)`` of the heaviest mode :func:`_find_modes` finds besides
     ``u_map``, which stays where fewer than two modes are found (one mode, or an unbounded
@@ -1529,16 +1601,34 @@ def _heaviest_mode(
     ``diagnostics``."""
     import time
 
-    from .errors import MultimodalPosteriorWarning
+    from .errors import LabelSwitchingWarning, MultimodalPosteriorWarning
 
     mark = time.perf_counter()
     progress.set_postfix_str("modes", refresh=False)
     modes, correction = _find_modes(
-        space, (u_map, lp_map), args, kwargs, max_iter, score, seed, num_starts
+        space, (u_map, lp_map), args, kwargs, max_iter, score, seed, num_starts, merge_relabellings
     )
     diagnostics["mode_search_seconds"] = time.perf_counter() - mark
     diagnostics["mode_weights"] = [mode["weight"] for mode in modes]
     diagnostics["modes"] = [mode["laplace"] for mode in modes]
+    copies = [mode["copies"] for mode in modes]
+    if any(count > 1 for count in copies):
+        diagnostics["mode_relabellings"] = copies
+        warnings.warn(
+            f"The search found {sum(copies)} modes, {sum(copies) - len(copies)} of them "
+            "a relabelling of another: the same values in every site, in another order, at "
+            "the same density (label switching, as an unordered mixture's components "
+            "have). The methods fit one labelling, as NUTS does from one start; what does "
+            "not depend on the labels is the same in every labelling. To fix the labels, "
+            "give one site an ordered support (constraints.ordered_vector, e.g. the "
+            "components' means), or relabel the draws after the fit. Where the order is not "
+            "a labelling (coordinates that mean different things), pass precondition="
+            "find_preconditioner(space, space.init_loc, args, merge_relabellings=False) "
+            "(pyro_implicit.latent; space = LatentSpace.from_model(model, args)) to keep "
+            "each as a mode.",
+            LabelSwitchingWarning,
+            stacklevel=4,
+        )
     if correction:
         diagnostics["mode_laplace_weights"] = [mode["laplace_weight"] for mode in modes]
         diagnostics["mode_weights_k_hat"] = correction["k_hat"]
@@ -1969,6 +2059,7 @@ def find_preconditioner(
     seed=0,
     compile="fx",
     mode_starts=MODE_STARTS,
+    merge_relabellings=True,
 ):
     r"""Find :math:`(m, L)` with :math:`N(m, LL^\top)` close to the posterior of ``space``.
 
@@ -2021,6 +2112,12 @@ def find_preconditioner(
         the estimator its loss asks for
         (:attr:`~pyro_implicit.elbo.base.ImplicitELBO.preconditioner_vi_estimator`);
         this function's default stays ``"entropy"``.
+    :param int mode_starts: starts beyond ``init_loc`` from which L-BFGS looks for other
+        modes (:data:`MODE_STARTS`; 0: none).
+    :param bool merge_relabellings: keep one of the modes that are relabellings of one
+        another (an unordered mixture's components; :func:`_relabelling_groups`), with a
+        :class:`~pyro_implicit.errors.LabelSwitchingWarning`. ``False`` keeps each as a mode
+        of its own, for a posterior whose coordinates are exchangeable but not labels.
     :param compile: ``"fx"`` (default): the MAP search and the Gaussian fits score the
         model with traced graphs (:class:`~pyro_implicit.compiled.CompiledLogDensity`, one
         per batch size; the same values to float rounding, and the eager run wherever a
@@ -2082,6 +2179,7 @@ def find_preconditioner(
                 mode_starts,
                 diagnostics,
                 progress,
+                merge_relabellings,
             )
         laplace = None
         if u_map is not None:

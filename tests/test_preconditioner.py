@@ -315,6 +315,66 @@ def test_modes_keep_their_laplace_weights_where_the_correction_is_refused(two_mo
     assert "could not check them" in str(said.message) and "k-hat" in str(said.message)
 
 
+def test_relabelled_modes_are_one_mode_and_said_to_be():
+    """An unordered two-component mixture: each mode is found twice, once per order of the
+    components, at the same density. The search keeps one labelling, the start's (the
+    guide's start here lies in it), says so (``LabelSwitchingWarning``) and does not call
+    the posterior multimodal."""
+    from pyro_implicit import LabelSwitchingWarning, MultimodalPosteriorWarning
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.where(torch.rand(40, generator=gen) < 0.5, -2.0, 2.0) + torch.randn(40, generator=gen)
+
+    def mixture(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
+        per_component = dist.Normal(mu.unsqueeze(-2), 1.0).log_prob(y.unsqueeze(-1))
+        pyro.factor("y", (per_component + math.log(0.5)).logsumexp(-1).sum(-1))
+
+    space, _ = space_of(mixture, (y,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = find_preconditioner(space, torch.tensor([-1.0, 1.0]), (y,))
+    kinds = [w.category for w in caught]
+    assert kinds.count(LabelSwitchingWarning) == 1
+    assert MultimodalPosteriorWarning not in kinds
+    found = pre.diagnostics
+    assert found["mode_relabellings"] == [2] and found["mode_weights"] == [1.0]
+    assert len(found["modes"]) == 1
+    assert pre.loc[0] < 0 < pre.loc[1]
+    assert found["modes"][0].loc[0] < 0 < found["modes"][0].loc[1]
+    # kept apart on request (exchangeable coordinates that are not labels), as the
+    # warning says: two modes of equal weight
+    space = LatentSpace.from_model(mixture, (y,))
+    with pytest.warns(MultimodalPosteriorWarning):
+        apart = find_preconditioner(space, space.init_loc, (y,), merge_relabellings=False)
+    assert apart.diagnostics["mode_weights"] == pytest.approx([0.5, 0.5], abs=0.01)
+
+
+def test_modes_that_mirror_each_other_are_two_modes_of_equal_mass():
+    """a ~ N(0, 1), y_k ~ N(a^2, 1): the modes at a = -c and c have the same density but
+    not the same values, so they are two modes (no relabelling), and by symmetry each
+    holds exactly half the mass."""
+    from pyro_implicit import LabelSwitchingWarning, MultimodalPosteriorWarning
+
+    y = torch.full((6,), 1.5)
+
+    def mirrored(y):
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", y.shape[0]):
+            pyro.sample("y", dist.Normal(a**2, 1.0), obs=y)
+
+    space, _ = space_of(mirrored, (y,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = find_preconditioner(space, torch.tensor([1.0]), (y,))
+    kinds = [w.category for w in caught]
+    assert MultimodalPosteriorWarning in kinds and LabelSwitchingWarning not in kinds
+    found = pre.diagnostics
+    assert sorted(round(mode.loc.item(), 1) for mode in found["modes"]) == [-1.2, 1.2]
+    assert found["mode_weights"] == pytest.approx([0.5, 0.5], abs=0.01)
+    assert "mode_relabellings" not in found
+
+
 def test_a_single_mode_leaves_the_search_as_it_was():
     """On a Gaussian posterior every start ends at the one mode: the same preconditioner
     as without the extra starts, and no warning."""

@@ -450,12 +450,19 @@ def compare(
                 "num_chains": per_mode * len(modes),
                 "initial_points": [mode.loc for mode in modes for _ in range(per_mode)],
             }
-            _say(
-                progress,
-                f"NUTS: the search found {len(modes)} modes (weights "
-                + ", ".join(f"{w:.2f}" for w in weights)
-                + f"), which its chains do not cross: {per_mode} chain(s) start in each",
-            )
+            if len(modes) == 1:
+                _say(
+                    progress,
+                    "NUTS: the search found modes that are relabellings of one another "
+                    "(label switching): its chains start in the labelling the methods fit",
+                )
+            else:
+                _say(
+                    progress,
+                    f"NUTS: the search found {len(modes)} modes (weights "
+                    + ", ".join(f"{w:.2f}" for w in weights)
+                    + f"), which its chains do not cross: {per_mode} chain(s) start in each",
+                )
         _say(
             progress,
             f"NUTS: {starts.get('num_chains', per_mode)} chain(s) x "
@@ -471,7 +478,7 @@ def compare(
                 **{**run_kwargs, **starts},
                 **kwargs,
             )
-        if modes:
+        if len(modes) > 1:
             space = LatentSpace.from_model(model, args, kwargs, mpn)
             try:
                 nuts = weigh_by_modes(nuts, space, modes, weights, seed)
@@ -672,10 +679,19 @@ def _shared_preconditioner(precondition, specs, model, args, kwargs, mpn, progre
 def _modes_of(shared, run_kwargs):
     """``(modes, weights)`` for NUTS to start in: the shared search's
     :func:`~pyro_implicit.latent.significant_modes`, where NUTS's start is its own (no
-    ``init_strategy`` given); else ``([], [])``."""
+    ``init_strategy`` given); else ``([], [])``. Where the search kept one labelling of
+    modes that are relabellings of one another (label switching) and found no other
+    mode, that one mode: the chains then start in the labelling the methods fit, and
+    are not split between labellings (R-hat of several, a reference that averages the
+    labels away)."""
     if not isinstance(shared, dict) or "init_strategy" in run_kwargs:
         return [], []
-    return significant_modes(next(iter(shared.values())))
+    pre = next(iter(shared.values()))
+    modes, weights = significant_modes(pre)
+    found = getattr(pre, "diagnostics", None) or {}
+    if not modes and found.get("mode_relabellings"):
+        return found["modes"][:1], [1.0]
+    return modes, weights
 
 
 def _ran_gaussian_fit(pre):
