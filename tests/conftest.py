@@ -1,5 +1,6 @@
 import importlib.util
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -129,3 +130,24 @@ def _two_modes(minor):
 def two_modes():
     """``build(minor)``: a two-mode model and its exact posterior (:func:`_two_modes`)."""
     return _two_modes
+
+
+def _unordered_mixture():
+    """An unordered two-component mixture (label switching): y_i ~ 0.5 N(mu_1, 1) +
+    0.5 N(mu_2, 1), mu_k ~ N(0, 10^2), 40 points drawn with mu = (-2, 2). Each mode is
+    there once per order of the components. Returns the model and its data."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.where(torch.rand(40, generator=gen) < 0.5, -2.0, 2.0) + torch.randn(40, generator=gen)
+
+    def mixture(y):
+        mu = pyro.sample("mu", pyro.distributions.Normal(0.0, 10.0).expand([2]).to_event(1))
+        per_component = pyro.distributions.Normal(mu.unsqueeze(-2), 1.0).log_prob(y.unsqueeze(-1))
+        pyro.factor("y", (per_component + math.log(0.5)).logsumexp(-1).sum(-1))
+
+    return mixture, y
+
+
+@pytest.fixture
+def unordered_mixture():
+    """``(model, y)``: :func:`_unordered_mixture` (built under the test's default dtype)."""
+    return _unordered_mixture()

@@ -548,20 +548,14 @@ def test_nuts_starts_in_every_mode_and_weighs_its_draws_as_the_modes(two_modes):
     assert result.methods["wsvgd"].metrics["joint"]["mean_error_max"] < 0.1
 
 
-def test_nuts_starts_in_the_labelling_the_methods_fit():
+def test_nuts_starts_in_the_labelling_the_methods_fit(unordered_mixture):
     """An unordered two-component mixture (label switching): the search keeps one
     labelling, and compare's NUTS starts every chain in it, so the reference and the
     methods agree on the labels (chains from NUTS's own start fell in both: R-hat of
     several and component means averaged to about zero)."""
     from pyro_implicit import LabelSwitchingWarning
 
-    gen = torch.Generator().manual_seed(0)
-    y = torch.where(torch.rand(40, generator=gen) < 0.5, -2.0, 2.0) + torch.randn(40, generator=gen)
-
-    def mixture(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
-        per_component = dist.Normal(mu.unsqueeze(-2), 1.0).log_prob(y.unsqueeze(-1))
-        pyro.factor("y", (per_component + math.log(0.5)).logsumexp(-1).sum(-1))
+    mixture, y = unordered_mixture
 
     with pytest.warns(LabelSwitchingWarning):
         result = compare(

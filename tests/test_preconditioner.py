@@ -315,20 +315,14 @@ def test_modes_keep_their_laplace_weights_where_the_correction_is_refused(two_mo
     assert "could not check them" in str(said.message) and "k-hat" in str(said.message)
 
 
-def test_relabelled_modes_are_one_mode_and_said_to_be():
+def test_relabelled_modes_are_one_mode_and_said_to_be(unordered_mixture):
     """An unordered two-component mixture: each mode is found twice, once per order of the
     components, at the same density. The search keeps one labelling, the start's (the
     guide's start here lies in it), says so (``LabelSwitchingWarning``) and does not call
     the posterior multimodal."""
     from pyro_implicit import LabelSwitchingWarning, MultimodalPosteriorWarning
 
-    gen = torch.Generator().manual_seed(0)
-    y = torch.where(torch.rand(40, generator=gen) < 0.5, -2.0, 2.0) + torch.randn(40, generator=gen)
-
-    def mixture(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
-        per_component = dist.Normal(mu.unsqueeze(-2), 1.0).log_prob(y.unsqueeze(-1))
-        pyro.factor("y", (per_component + math.log(0.5)).logsumexp(-1).sum(-1))
+    mixture, y = unordered_mixture
 
     space, _ = space_of(mixture, (y,))
     with warnings.catch_warnings(record=True) as caught:
