@@ -561,9 +561,9 @@ def test_nuts_starts_in_the_labelling_the_methods_fit(unordered_mixture):
         result = compare(
             mixture,
             y,
-            methods=["autonormal", "wsvgd"],
-            num_steps=300,
-            nuts_kwargs={"num_samples": 200, "warmup_steps": 100, "num_chains": 4},
+            methods=["wsvgd"],
+            num_steps=200,
+            nuts_kwargs={"num_samples": 150, "warmup_steps": 100, "num_chains": 4},
             progress=False,
             diagnostics=False,
         )
