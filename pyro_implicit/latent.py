@@ -1506,12 +1506,15 @@ def _importance_mode_weights(space, modes, args, kwargs, generator):
     loc = laplaces[0].loc
     half = MODE_WEIGHT_DRAWS // 2
     normal, student = [], []
+    # the same whitened draws for every mode (common random numbers): where the modes
+    # share a non-Gaussian part (latents the modes do not move), its noise is then the
+    # same in every mode's estimate and leaves their ratio
+    z = torch.randn(2 * half, space.latent_dim, generator=generator, dtype=torch.float64)
+    chi2 = torch.randn(half, _MODE_PROPOSAL_DF, generator=generator, dtype=torch.float64)
+    z[half:] *= (
+        _MODE_PROPOSAL_WIDTH / (chi2.pow(2).sum(-1, keepdim=True) / _MODE_PROPOSAL_DF).sqrt()
+    )
     for laplace in laplaces:
-        z = torch.randn(2 * half, space.latent_dim, generator=generator, dtype=torch.float64)
-        chi2 = torch.randn(half, _MODE_PROPOSAL_DF, generator=generator, dtype=torch.float64)
-        z[half:] *= (
-            _MODE_PROPOSAL_WIDTH / (chi2.pow(2).sum(-1, keepdim=True) / _MODE_PROPOSAL_DF).sqrt()
-        )
         normal.append(laplace.unwhiten(z[:half].to(loc)))
         student.append(laplace.unwhiten(z[half:].to(loc)))
     u = torch.cat(normal + student)
