@@ -1581,23 +1581,10 @@ def _within(laplace, u):
     return laplace.whiten(u).norm().item() < _SAME_MODE_DISTANCE
 
 
-def _heaviest_mode(
-    space,
-    u_map,
-    lp_map,
-    args,
-    kwargs,
-    max_iter,
-    score,
-    seed,
-    num_starts,
-    diagnostics,
-    progress,
-    merge_relabellings=True,
-):
-    """``(u, log_density, laplace)`` of the heaviest mode :func:`_find_modes` finds besides
-    ``u_map``, which stays where fewer than two modes are found (one mode, or an unbounded
-    density's neck); ``laplace`` is a copy of the dense Laplace there, where the search
+def _heaviest_mode(find, u_map, lp_map, num_starts, diagnostics, progress):
+    """``(u, log_density, laplace)`` of the heaviest mode that ``find`` (:func:`_find_modes`
+    with all but its start given) finds besides ``u_map``, which stays where fewer than two
+    modes are found (one mode, or an unbounded density's neck); ``laplace`` is a copy of the dense Laplace there, where the search
     made one (``None`` where ``u_map`` stays and is no mode). Warns where a second mode
     carries :data:`MINOR_MODE_WEIGHT` of the mass. Records ``mode_weights``, ``modes``
     (each mode's Laplace, a :class:`Preconditioner`) and ``mode_search_seconds`` in
@@ -1608,9 +1595,7 @@ def _heaviest_mode(
 
     mark = time.perf_counter()
     progress.set_postfix_str("modes", refresh=False)
-    modes, correction = _find_modes(
-        space, (u_map, lp_map), args, kwargs, max_iter, score, seed, num_starts, merge_relabellings
-    )
+    modes, correction = find((u_map, lp_map))
     diagnostics["mode_search_seconds"] = time.perf_counter() - mark
     diagnostics["mode_weights"] = [mode["weight"] for mode in modes]
     diagnostics["modes"] = [mode["laplace"] for mode in modes]
@@ -2170,19 +2155,19 @@ def find_preconditioner(
             and not space.network
             and not space.subsample_plates
         ):
-            u_map, lp_map, mode_laplace = _heaviest_mode(
+            find = functools.partial(
+                _find_modes,
                 space,
-                u_map,
-                lp_map,
-                args,
-                kwargs,
-                max_iter,
-                score,
-                seed,
-                mode_starts,
-                diagnostics,
-                progress,
-                merge_relabellings,
+                args=args,
+                kwargs=kwargs,
+                max_iter=max_iter,
+                score=score,
+                seed=seed,
+                num_starts=mode_starts,
+                merge=merge_relabellings,
+            )
+            u_map, lp_map, mode_laplace = _heaviest_mode(
+                find, u_map, lp_map, mode_starts, diagnostics, progress
             )
         laplace = None
         if u_map is not None:
