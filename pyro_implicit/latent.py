@@ -1584,9 +1584,10 @@ def _within(laplace, u):
 def _heaviest_mode(find, u_map, lp_map, num_starts, diagnostics, progress):
     """``(u, log_density, laplace)`` of the heaviest mode that ``find`` (:func:`_find_modes`
     with all but its start given) finds besides ``u_map``, which stays where fewer than two
-    modes are found (one mode, or an unbounded density's neck); ``laplace`` is a copy of the dense Laplace there, where the search
-    made one (``None`` where ``u_map`` stays and is no mode). Warns where a second mode
-    carries :data:`MINOR_MODE_WEIGHT` of the mass. Records ``mode_weights``, ``modes``
+    modes are found (one mode, or an unbounded density's neck); ``laplace`` is a copy of
+    the dense Laplace there, where the search made one (``None`` where ``u_map`` stays and
+    is no mode). Warns where a second mode carries :data:`MINOR_MODE_WEIGHT` of the mass,
+    and where modes are relabellings of one another. Records ``mode_weights``, ``modes``
     (each mode's Laplace, a :class:`Preconditioner`) and ``mode_search_seconds`` in
     ``diagnostics``."""
     import time
