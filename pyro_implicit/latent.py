@@ -1542,11 +1542,13 @@ def _importance_mode_weights(space, modes, args, kwargs, generator):
     controls = (log_g - log_q[:, None]).exp().cpu()[:, 1:] - 1
     controls_mean = controls.mean(0)
     centred = controls - controls_mean
-    owner_of = u.cpu()
+    # each draw's Laplace log-density under every mode: the proposals' Normal columns,
+    # computed once for every round of the fixed point below
+    laplace_log_density = log_g[:, : len(modes)].T.cpu()
     shares = [mode["laplace_weight"] for mode in modes]
     owner = None
     for _ in range(20):  # each mode's part moves with the weights; a few rounds settle it
-        moved = mode_of(owner_of, laplaces, shares)
+        moved = _weighted_owner(laplace_log_density, shares)
         if owner is not None and torch.equal(moved, owner):
             break
         owner = moved
@@ -1686,13 +1688,17 @@ def mode_of(u, modes, weights):
     density :math:`w_k N(u; m_k, \Sigma_k)` is highest there."""
     with torch.no_grad():
         u = u.to(modes[0].loc)
-        scores = torch.stack(
-            [
-                mode.distribution().log_prob(u) + (math.log(weight) if weight > 0 else -math.inf)
-                for mode, weight in zip(modes, weights, strict=True)
-            ]
+        return _weighted_owner(
+            torch.stack([mode.distribution().log_prob(u) for mode in modes]), weights
         )
-    return scores.argmax(0)
+
+
+def _weighted_owner(log_densities, weights):
+    """:func:`mode_of` from each mode's log-density at the draws, ``(K, N)``."""
+    log_weights = torch.tensor(
+        [math.log(w) if w > 0 else -math.inf for w in weights], dtype=log_densities.dtype
+    ).to(log_densities.device)
+    return (log_densities + log_weights[:, None]).argmax(0)
 
 
 def _copy_laplace(laplace):
